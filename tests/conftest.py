@@ -1,0 +1,66 @@
+"""Shared fixtures: one set of live ranks per world size for the whole session (spawning is the
+expensive part: ~2.5 s of `import torch` per process), and the graded-test switches."""
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("zerolab")
+    group.addoption("--impl", default=None,
+                    help="what graded tests grade: 'exercises' (default), 'solutions', or a folder "
+                         "of exNN_*.py files. Same as the environment variable ZEROLAB_IMPL.")
+    group.addoption("--stubs-must-fail", action="store_true",
+                    help="invert graded outcomes: each graded test passes only if it FAILS (run on "
+                         "the untouched exercises/ to prove every graded test can fail).")
+
+
+def pytest_configure(config):
+    impl = config.getoption("--impl")
+    if impl:
+        os.environ["ZEROLAB_IMPL"] = impl  # set before any rank starts, so ranks inherit it
+    os.environ.setdefault("ZEROLAB_IMPL", "exercises")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not item.config.getoption("--stubs-must-fail"):
+        return
+    if item.get_closest_marker("points") is None:
+        return
+    if report.failed:
+        report.outcome, report.longrepr = "passed", None
+    elif report.passed:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} PASSED on the untouched stubs: a graded test that cannot "
+                           f"fail grades nothing")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--stubs-must-fail"):
+        items[:] = [i for i in items if i.get_closest_marker("points") is not None]
+
+
+class _Clusters:
+    def __init__(self):
+        self._live = {}
+
+    def __call__(self, world_size):
+        from zerolab import Cluster
+        if world_size not in self._live:
+            self._live[world_size] = Cluster(world_size, timeout=60)
+        return self._live[world_size]
+
+    def close(self):
+        for c in self._live.values():
+            c.close()
+
+
+@pytest.fixture(scope="session")
+def clusters():
+    """``clusters(n)`` -> a live zerolab.Cluster of n ranks, shared by every test in the session."""
+    pool = _Clusters()
+    yield pool
+    pool.close()

@@ -1,0 +1,98 @@
+"""Helpers for graded exercise tests: which implementation to grade, and checks that name names.
+
+The implementation under test is chosen by one switch, the environment variable ``ZEROLAB_IMPL``
+(or pytest's ``--impl``, which sets it): ``exercises`` (default: your work), ``solutions``, or a
+path to a folder holding ``exNN_*.py`` files (a student's submission). The chosen folder is
+importable as the package ``zerolab_impl`` in the test process and in every rank alike.
+"""
+import contextlib
+import importlib
+import os
+import pathlib
+import sys
+import types
+
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def impl_dir():
+    """The folder of exercise modules being graded (see module docstring)."""
+    choice = os.environ.get("ZEROLAB_IMPL", "exercises")
+    path = REPO / choice if choice in ("exercises", "solutions") else pathlib.Path(choice)
+    if not path.is_dir():
+        raise FileNotFoundError(f"ZEROLAB_IMPL={choice!r}: no such folder {path}")
+    return path.resolve()
+
+
+def exercise_module(name):
+    """Import exercise module ``name`` (e.g. 'ex00_collectives') from :func:`impl_dir`."""
+    path = str(impl_dir())
+    pkg = sys.modules.get("zerolab_impl")
+    if pkg is None or list(pkg.__path__) != [path]:
+        for key in [k for k in sys.modules if k == "zerolab_impl" or k.startswith("zerolab_impl.")]:
+            del sys.modules[key]
+        pkg = types.ModuleType("zerolab_impl")
+        pkg.__path__ = [path]
+        sys.modules["zerolab_impl"] = pkg
+    return importlib.import_module(f"zerolab_impl.{name}")
+
+
+def assert_close(actual, expected, what, *, rtol=None, atol=None):
+    """torch.testing.assert_close with a message naming the rank, the tensor and the worst element."""
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"rank {rank}: {what}: shape {tuple(actual.shape)}, expected "
+                             f"{tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"rank {rank}: {what}: dtype {actual.dtype}, expected {expected.dtype}")
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError:
+        diff = (actual.double() - expected.double()).abs().view(-1)
+        i = int(diff.argmax())
+        raise AssertionError(
+            f"rank {rank}: {what}: largest difference {float(diff[i]):.3g} at flat index {i} "
+            f"(got {float(actual.reshape(-1)[i]):.6g}, expected {float(expected.reshape(-1)[i]):.6g}); "
+            f"{int((diff > 0).sum())} of {diff.numel()} elements differ") from None
+
+
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast",
+                "all_to_all", "all_to_all_single", "reduce", "scatter", "gather")
+
+
+@contextlib.contextmanager
+def point_to_point_only(what):
+    """Inside the region torch's collectives raise, and p2p sends are counted.
+
+    Yields a dict whose 'sent' entry is the bytes this rank passed to send/isend. Patching the
+    torch.distributed module attributes catches calls made through ``dist.isend`` and through
+    ``zerolab.comm`` alike.
+    """
+    import torch.distributed as dist
+    counter = {"sent": 0, "sends": 0}
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES + ("isend", "send") if hasattr(dist, name)}
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{what} must use only point-to-point send/recv, but it called "
+                                 f"torch.distributed.{name}")
+        return call
+
+    def counting(real):
+        def call(tensor, *args, **kwargs):
+            counter["sent"] += tensor.numel() * tensor.element_size()
+            counter["sends"] += 1
+            return real(tensor, *args, **kwargs)
+        return call
+
+    for name in saved:
+        setattr(dist, name, counting(saved[name]) if name in ("isend", "send") else forbidden(name))
+    try:
+        yield counter
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
