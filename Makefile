@@ -1,0 +1,51 @@
+# zerolab — the two commands a user needs:
+#   make lab    set up (first time only) and open the course in JupyterLab
+#   make test   set up (first time only) and run the whole test suite
+# Set-up creates .venv/ in the repo and installs the pinned, tested versions (constraints.txt).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.zerolab-installed
+# Extra pip options, e.g. PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu" for a
+# CPU-only torch on Linux (a plain PyPI torch is a multi-GB CUDA build).
+PIP_ARGS ?=
+PORT ?= 8888
+
+.PHONY: lab test test-fast grade bench demo notebooks clean setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "zerolab needs Python >= 3.10, found " + sys.version.split()[0]'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt $(PIP_ARGS) -e ".[lab,test]"
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (zerolab)" >/dev/null
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --port=$(PORT) notebooks/00_collectives.ipynb
+
+# Unit + multi-process tests, graded tests on solutions/ (must pass) and on the untouched
+# exercises/ (every graded test must fail), then every notebook under nbval.
+test: $(STAMP)
+	$(PY) -m pytest tests -q --impl solutions --ignore=tests/test_notebooks.py
+	$(PY) -m pytest tests/graded -q --impl exercises --stubs-must-fail
+	$(PY) -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 notebooks
+
+# Your own exercises, graded (the same tests the autograder runs).
+grade: $(STAMP)
+	$(PY) -m zerolab grade
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+demo: $(STAMP)
+	$(PY) -m zerolab demo
+
+# Re-execute every notebook top to bottom and save its outputs (after editing a lesson).
+notebooks: $(STAMP)
+	$(PY) tools/execute_notebooks.py notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,186 @@
+"""The training engine: one API for data parallelism (stage 0), ZeRO stages 1-3 and CPU offload.
+
+Modelled on DeepSpeed's engine so the skills transfer::
+
+    engine = zerolab.initialize(model, stage=2, optimizer=torch.optim.AdamW, lr=1e-3,
+                                param_dtype=torch.bfloat16)
+    loss = engine(x, y)          # forward
+    engine.backward(loss)        # gradients (synchronised or sharded, by stage)
+    engine.step()                # optimizer step on what this rank owns
+    engine.zero_grad()
+    engine.full_state_dict()     # full fp32 parameters on every rank
+    engine.memory_report()       # this rank's model-state bytes by kind and device
+    engine.last_step_comm        # zerolab.comm.CommLog of the last step
+
+Each stage is a subclass of :class:`Engine` in its own module (``data_parallel``, ``zero1``,
+``zero2``, ``zero3``); :func:`initialize` validates the options once and picks the class.
+"""
+import torch
+import torch.distributed as dist
+
+from zerolab import comm
+from zerolab.memory import storage_bytes_by_kind
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = (None, "optimizer")
+# Optimizers whose update is elementwise, so that running it on a flat shard of the parameters
+# is the same math as running it on the whole parameters (what ZeRO's partitioning relies on).
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+class Engine:
+    """Common machinery. Subclasses implement ``_backward``, ``_step``, ``zero_grad``,
+    ``full_state_dict`` and ``state_tensors`` (and may override ``forward``)."""
+
+    stage = None
+
+    def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, offload, bucket_bytes, group):
+        self.module = module
+        self.optimizer_class = optimizer
+        self.opt_kwargs = dict(opt_kwargs)
+        self.param_dtype = param_dtype
+        self.offload = offload
+        self.bucket_bytes = bucket_bytes
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.last_step_comm = None
+        self._step_log = None
+        self._log_cm = None
+
+    # -- the per-step comm log: opened at the first forward after a step, closed by step() --
+    def _open_step_log(self):
+        if self._log_cm is None:
+            self._log_cm = comm.log(self.group)
+            self._step_log = self._log_cm.__enter__()
+
+    def _close_step_log(self):
+        if self._log_cm is not None:
+            self._log_cm.__exit__(None, None, None)
+            self.last_step_comm, self._log_cm = self._step_log, None
+
+    def __call__(self, *args, **kwargs):
+        self._open_step_log()
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        self._open_step_log()
+        self._backward(loss)
+
+    def step(self):
+        self._open_step_log()
+        self._step()
+        self._close_step_log()
+
+    # -- what every stage provides ---------------------------------------------------------
+    def _backward(self, loss):
+        raise NotImplementedError
+
+    def _step(self):
+        raise NotImplementedError
+
+    def zero_grad(self):
+        raise NotImplementedError
+
+    def no_sync(self):
+        """Context manager for gradient accumulation: backward() inside it accumulates locally and
+        skips communication; the first backward() outside it synchronises the sum (torch DDP's idiom)."""
+        raise NotImplementedError
+
+    def full_state_dict(self):
+        """{name: full fp32 tensor} of the model's parameters, identical on every rank."""
+        raise NotImplementedError
+
+    def state_tensors(self):
+        """{kind: [tensors]} of what this rank holds, kinds from zerolab.memory.KINDS."""
+        raise NotImplementedError
+
+    def padding_bytes(self):
+        """Bytes of zero padding included in state_tensors() (flat buffers rounded up to N)."""
+        return 0
+
+    def memory_report(self):
+        """This rank's model-state bytes: {kind: {device: bytes}} plus 'padding': bytes."""
+        report = storage_bytes_by_kind(self.state_tensors())
+        report["padding"] = self.padding_bytes()
+        return report
+
+
+def _validate(model, stage, optimizer, lr, param_dtype, offload, bucket_bytes, group):
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r} is not supported: choose one of {STAGES}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload={offload!r} is not supported: choose one of {OFFLOADS}")
+    if offload is not None and stage == 0:
+        raise ValueError("offload='optimizer' needs a sharded optimizer: use stage 1, 2 or 3 "
+                         "(ZeRO-Offload offloads each rank's partition)")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
+    if stage > 0 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"stage {stage} shards the optimizer over flat parameter slices, which is "
+                         f"exact only for elementwise optimizers ({names}); got {optimizer.__name__}")
+    if not (isinstance(lr, (int, float)) and lr > 0):
+        raise ValueError(f"lr must be a positive number, got {lr!r}")
+    if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"param_dtype={param_dtype!r} is not supported: None (keep the model's), "
+                         f"torch.float32, torch.bfloat16 or torch.float16")
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+        raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+    if not dist.is_initialized():
+        raise ValueError("no process group: call zerolab.initialize inside zerolab.launch / "
+                         "zerolab.Cluster.run, or under torchrun after zerolab.init_from_env()")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if bad:
+        raise ValueError(f"parameters must be floating point; not so: {bad}")
+
+
+def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dtype=None,
+               offload=None, bucket_bytes=25 * 2**20, group=None, **opt_kwargs):
+    """Wrap ``model`` in the engine for ``stage`` (0 = data parallel, 1/2/3 = ZeRO) on ``group``.
+
+    ``optimizer`` is a class (built by the engine on what this rank owns), ``lr`` and
+    ``opt_kwargs`` its arguments. ``param_dtype=torch.bfloat16`` trains in mixed precision:
+    2-byte params and grads for compute, fp32 master weights and Adam moments (K = 12).
+    ``offload='optimizer'`` keeps the fp32 master and moments on the host (ZeRO-Offload).
+    ``bucket_bytes``: gradient bucket size for communication. Raises ValueError naming any bad
+    value. Every rank must call it with the same model (checked).
+    """
+    _validate(model, stage, optimizer, lr, param_dtype, offload, bucket_bytes, group)
+    from zerolab import data_parallel, zero1, zero2, zero3  # noqa: F401 - each registers a class
+    cls = {0: data_parallel.DataParallelEngine, 1: zero1.Zero1Engine,
+           2: zero2.Zero2Engine, 3: zero3.Zero3Engine}[stage]
+    check_same_model(model, group)
+    return cls(model, optimizer=optimizer, opt_kwargs=dict(opt_kwargs, lr=lr), param_dtype=param_dtype,
+               offload=offload, bucket_bytes=bucket_bytes, group=group)
+
+
+def check_same_model(model, group=None):
+    """Raise ValueError on every rank if the model's parameter shapes or values differ between
+    ranks (a model built from different seeds would otherwise train silently wrong)."""
+    with torch.no_grad():
+        sig = torch.tensor([float(len(list(model.parameters())))]
+                           + [float(sum(p.numel() for p in model.parameters()))]
+                           + [float(p.double().sum()) for p in model.parameters()], dtype=torch.float64)
+    n = torch.tensor([sig.numel()], dtype=torch.float64)
+    hi, lo = n.clone(), n.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    if hi.item() != lo.item():
+        raise ValueError(f"the model differs across ranks: rank {dist.get_rank(group)} has "
+                         f"{int(n.item()) - 2} parameter tensors, others have a different count")
+    mx, mn = sig.clone(), sig.clone()
+    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(mx, mn):
+        names = [n for (n, _), a, b in zip(model.named_parameters(), mx[2:], mn[2:]) if a != b]
+        raise ValueError(f"the model differs across ranks (different shapes or initial values; "
+                         f"build it from the same seed on every rank): {names[:5] or 'sizes'}")
+
