@@ -414,3 +414,24 @@ def launch(fn, world_size, *args, backend="auto", timeout=DEFAULT_TIMEOUT, threa
     with Cluster(world_size, backend=backend, timeout=timeout, threads=threads) as cluster:
         return cluster.run(fn, *args, **kwargs)
 
+
+
+def init_from_env(backend="auto", timeout=DEFAULT_TIMEOUT):
+    """Join the default process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT): the multi-machine path. Returns the backend used. A no-op if already joined."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return dist.get_backend()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ValueError(f"init_from_env needs torchrun's environment; missing {missing}. Start the "
+                         f"script with `torchrun --nproc-per-node N ...`, or use zerolab.launch.")
+    world_size = int(os.environ["WORLD_SIZE"])
+    backend = resolve_backend(backend, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, init_method="env://",
+                            timeout=datetime.timedelta(seconds=timeout + 10))
+    return backend
