@@ -1,0 +1,50 @@
+"""python -m benchmarks.bench_launch
+
+What it costs to get ranks: cold start of a Cluster to its first all_reduce, and the overhead
+of one Cluster.run (send a function, run it on every rank, collect results) for 2 and 4 ranks.
+Target from the course design: per-run overhead under 50 ms.
+"""
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from zerolab import Cluster
+
+
+def _first_all_reduce():
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _noop():
+    return None
+
+
+def measure(world_size, runs=50):
+    t0 = time.perf_counter()
+    with Cluster(world_size) as cluster:
+        cluster.run(_first_all_reduce)
+        cold = time.perf_counter() - t0
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            cluster.run(_noop)
+            times.append(time.perf_counter() - t)
+    return cold, statistics.median(times)
+
+
+def main():
+    rows = ["| ranks | cold start to first all_reduce (s) | per-run overhead, median (ms) | target |",
+            "|---:|---:|---:|---|"]
+    for n in (2, 4):
+        cold, per_run = measure(n)
+        rows.append(f"| {n} | {cold:.2f} | {per_run * 1e3:.2f} | < 50 ms: "
+                    f"{'met' if per_run < 0.05 else 'MISSED'} |")
+    return "### Launch overhead\n\n" + "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(main())
