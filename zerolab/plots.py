@@ -3,10 +3,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
-def _grid(ax, values, title, highlight=None):
+def _grid(ax, values, title, highlight=None, width=None):
     """Draw one row of boxes per rank with the value in each box."""
     values = [list(v) for v in values]
-    width = max(len(v) for v in values)
+    width = width or max(len(v) for v in values)
     for r, row in enumerate(values):
         for i, v in enumerate(row):
             color = "#fde68a" if highlight and (r, i) in highlight else "#dbeafe"
@@ -22,8 +22,9 @@ def _grid(ax, values, title, highlight=None):
 def draw_collective(name, before, after, note=""):
     """Two panels: each rank's tensor before and after collective ``name`` (values from real ranks)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 0.55 * len(before) + 1.0))
-    _grid(a, before, f"{name}: before")
-    _grid(b, after, f"{name}: after" + (f"  ({note})" if note else ""))
+    width = max(len(v) for v in list(before) + list(after))  # one scale for both panels
+    _grid(a, before, f"{name}: before", width=width)
+    _grid(b, after, f"{name}: after" + (f"  ({note})" if note else ""), width=width)
     fig.tight_layout()
     return fig
 
