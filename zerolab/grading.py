@@ -51,7 +51,8 @@ def assert_close(actual, expected, what, *, rtol=None, atol=None):
     try:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError:
-        diff = (actual.double() - expected.double()).abs().view(-1)
+        diff = (actual.double() - expected.double()).abs().reshape(-1)
+        diff = torch.where(diff.isnan(), torch.full_like(diff, float("inf")), diff)  # NaN: worst
         i = int(diff.argmax())
         raise AssertionError(
             f"rank {rank}: {what}: largest difference {float(diff[i]):.3g} at flat index {i} "
@@ -96,3 +97,50 @@ def point_to_point_only(what):
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+_OP_NAMES = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+             "_reduce_scatter_flat": "reduce_scatter", "all_gather_into_tensor": "all_gather",
+             "all_gather_single": "all_gather", "_all_gather_flat": "all_gather"}
+
+
+@contextlib.contextmanager
+def record_collectives():
+    """Inside the region, every collective or send started through torch.distributed (directly or
+    via zerolab.comm) is recorded as {'op', 'bytes', 'in_backward'}: 'op' normalised
+    ('reduce_scatter', 'all_gather', 'all_reduce', 'broadcast', 'isend', ...), 'bytes' of its
+    largest tensor, 'in_backward' True when launched while autograd's backward was running (from a
+    gradient hook). Only the outermost call is recorded (torch's deprecated names call the new
+    ones). Yields the list."""
+    import threading
+
+    import torch.distributed as dist
+    from zerolab import comm
+    calls, state = [], threading.local()
+
+    def wrap(name, real):
+        def call(*args, **kwargs):
+            outer = not getattr(state, "inside", False)
+            if outer:
+                tensors = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
+                calls.append({"op": _OP_NAMES.get(name, name),
+                              "bytes": max((t.numel() * t.element_size() for t in tensors), default=0),
+                              "in_backward": torch._C._current_graph_task_id() != -1})
+                state.inside = True
+            try:
+                return real(*args, **kwargs)
+            finally:
+                if outer:
+                    state.inside = False
+        return call
+
+    targets = [(dist, n) for n in _COLLECTIVES + ("isend", "send") if hasattr(dist, n)]
+    targets += [(comm, "_reduce_scatter_flat"), (comm, "_all_gather_flat")]
+    saved = [(mod, n, getattr(mod, n)) for mod, n in targets]
+    for mod, n, real in saved:
+        setattr(mod, n, wrap(n, real))
+    try:
+        yield calls
+    finally:
+        for mod, n, real in saved:
+            setattr(mod, n, real)

@@ -1,0 +1,111 @@
+"""The grader, as instructors and Gradescope use it (lesson 00's graded tests keep it quick)."""
+import csv
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+
+import jsonschema
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# Gradescope's autograder results format (the fields zerolab writes, with their types).
+SCHEMA = {
+    "type": "object", "required": ["score", "tests"],
+    "properties": {
+        "score": {"type": "number"}, "max_score": {"type": "number"}, "output": {"type": "string"},
+        "tests": {"type": "array", "items": {
+            "type": "object", "required": ["name", "score", "max_score", "status", "output", "visibility"],
+            "properties": {"name": {"type": "string"}, "number": {"type": "string"},
+                           "score": {"type": "number"}, "max_score": {"type": "number"},
+                           "status": {"enum": ["passed", "failed"]}, "output": {"type": "string"},
+                           "visibility": {"enum": ["visible", "hidden", "after_due_date", "after_published"]}}}},
+    },
+}
+
+# Points of lesson 00's graded tests, by hand from tests/graded/test_ex00_collectives.py:
+# reduce_scatter 2 x 3 world sizes, all_gather 2 x 3, all_reduce 3 x 3.
+HALF_CORRECT = 2 * 3 + 2 * 3
+
+HALF = '''
+import torch.distributed as dist
+from solutions.ex00_collectives import ring_reduce_scatter, ring_all_gather  # correct
+
+def ring_all_reduce(tensor, group=None):
+    dist.all_reduce(tensor)       # right values, wrong method: not a ring from send/recv
+    return tensor
+'''
+
+HOSTILE = '''
+import os, signal, time
+import torch, torch.distributed as dist
+
+def ring_reduce_scatter(output, input, group=None):
+    dist.recv(torch.empty(1), src=(dist.get_rank() - 1) % dist.get_world_size())  # nobody sends: all hang
+    return output
+
+def ring_all_gather(output, input, group=None):
+    if dist.get_rank() == 1:
+        os._exit(1)                          # kills its rank
+    return output
+
+def ring_all_reduce(tensor, group=None):
+    if dist.get_rank() == 0:
+        os.kill(os.getppid(), signal.SIGKILL)   # kills the grading process itself
+    time.sleep(30)
+'''
+
+
+def _grade(*args, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "zerolab", "grade", *map(str, args), "--lessons", "00"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, **(env or {})))
+
+
+def _write(folder, source):
+    folder.mkdir(parents=True)
+    (folder / "ex00_collectives.py").write_text(textwrap.dedent(source))
+    return folder
+
+
+def test_csv_over_folders_and_zips_scores_each_student(tmp_path):
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    shutil.copytree(REPO / "solutions", subs / "alice")
+    half = _write(tmp_path / "bob_src" / "exercises", HALF)
+    with zipfile.ZipFile(subs / "bob.zip", "w") as z:
+        z.write(half / "ex00_collectives.py", "exercises/ex00_collectives.py")
+    out = tmp_path / "grades.csv"
+    r = _grade(subs, "--csv", out, env={"PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = list(csv.reader(out.open()))
+    assert rows == [["student", "ex00", "total"], ["alice", "21", "21"], ["bob", str(HALF_CORRECT), str(HALF_CORRECT)]]
+
+
+def test_hostile_submission_scores_zero_in_bounded_time_and_results_json_is_valid(tmp_path):
+    hostile = _write(tmp_path / "hostile", HOSTILE)
+    results = tmp_path / "results.json"
+    t0 = time.monotonic()
+    r = _grade(hostile, "--gradescope", results, env={"ZEROLAB_TEST_TIMEOUT": "5"})
+    assert time.monotonic() - t0 < 300, "grading hanging code must end in bounded time"
+    data = json.loads(results.read_text())
+    jsonschema.validate(data, SCHEMA)
+    assert data["score"] == 0 and data["max_score"] == 21 and len(data["tests"]) == 9
+    by_name = {t["name"]: t["output"] for t in data["tests"]}
+    assert "did not finish within 5 s" in by_name["test_ring_reduce_scatter[2]"]
+    assert "rank 1 died (exit code 1)" in by_name["test_ring_all_gather[2]"]
+    assert "crashed the grading process" in by_name["test_ring_all_reduce[2]"]
+
+
+def test_results_json_is_written_even_when_grading_cannot_start(tmp_path):
+    results = tmp_path / "results.json"
+    r = _grade(tmp_path / "does-not-exist", "--gradescope", results)
+    assert r.returncode == 1
+    data = json.loads(results.read_text())
+    jsonschema.validate(data, SCHEMA)
+    assert data["score"] == 0 and "no such exercises folder" in data["output"]
