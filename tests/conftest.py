@@ -26,6 +26,7 @@ def pytest_configure(config):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)  # lets fixtures see the outcome (screenshots)
     if report.when != "call" or not item.config.getoption("--stubs-must-fail"):
         return
     if item.get_closest_marker("points") is None:
