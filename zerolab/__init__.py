@@ -1,6 +1,25 @@
-"""zerolab: data parallelism and ZeRO stages 1-3 and CPU offload, on real process groups."""
+"""zerolab: data parallelism and ZeRO stages 1-3 and CPU offload, on real process groups.
+
+The public API, by lesson:
+    00  launch, Cluster, RankError, RankTimeout, rank_device, rank_state, init_from_env; zerolab.comm
+    02  initialize (the engine for every stage), DataParallel
+    03  Zero1Optimizer (ZeroRedundancyOptimizer-shaped)
+"""
 from zerolab.launch import (Cluster, RankError, RankTimeout, init_from_env, launch, rank_device,
                             rank_state)
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "RankError", "RankTimeout", "init_from_env", "launch", "rank_device", "rank_state"]
+
+# Imported on first use: `import zerolab` stays light for the ranks' start-up.
+_LAZY = {"initialize": "zerolab.engine", "DataParallel": "zerolab.data_parallel",
+         "Zero1Optimizer": "zerolab.zero1"}
+
+__all__ = ["Cluster", "RankError", "RankTimeout", "init_from_env", "launch", "rank_device",
+           "rank_state", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zerolab' has no attribute {name!r}")

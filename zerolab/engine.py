@@ -102,6 +102,20 @@ class Engine:
         """Bytes of zero padding included in state_tensors() (flat buffers rounded up to N)."""
         return 0
 
+    # Kinds of state that live on the host under offload (ZeRO-Offload, arXiv 2101.06840: fp32
+    # master and Adam moments go to the host; the offload engines extend this with their grads).
+    host_kinds = ()
+
+    def placement(self):
+        """{'device': bytes, 'host': bytes} of this rank's model states BY ROLE: what would sit on
+        the accelerator and what on the host. On a CPU-only machine both are the same memory, so
+        the split comes from the design (``host_kinds``), not from tensor.device."""
+        report = storage_bytes_by_kind(self.state_tensors())
+        out = {"device": 0, "host": 0}
+        for kind, per_device in report.items():
+            out["host" if self.offload and kind in self.host_kinds else "device"] += sum(per_device.values())
+        return out
+
     def memory_report(self):
         """This rank's model-state bytes: {kind: {device: bytes}} plus 'padding': bytes."""
         report = storage_bytes_by_kind(self.state_tensors())
@@ -154,9 +168,11 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
     value. Every rank must call it with the same model (checked).
     """
     _validate(model, stage, optimizer, lr, param_dtype, offload, bucket_bytes, group)
-    from zerolab import data_parallel, zero1, zero2, zero3  # noqa: F401 - each registers a class
-    cls = {0: data_parallel.DataParallelEngine, 1: zero1.Zero1Engine,
-           2: zero2.Zero2Engine, 3: zero3.Zero3Engine}[stage]
+    # Import only the chosen stage's module (a stage still being written must not break the others).
+    import importlib
+    module_name, class_name = {0: ("data_parallel", "DataParallelEngine"), 1: ("zero1", "Zero1Engine"),
+                               2: ("zero2", "Zero2Engine"), 3: ("zero3", "Zero3Engine")}[stage]
+    cls = getattr(importlib.import_module(f"zerolab.{module_name}"), class_name)
     check_same_model(model, group)
     return cls(model, optimizer=optimizer, opt_kwargs=dict(opt_kwargs, lr=lr), param_dtype=param_dtype,
                offload=offload, bucket_bytes=bucket_bytes, group=group)
