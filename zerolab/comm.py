@@ -162,16 +162,36 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     return work
 
 
-def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, impl="torch"):
     """``output`` (1/N of ``input``) receives the sum over ranks of this rank's slice of ``input``.
-    On gloo torch emulates this with an all_reduce of the whole input: twice the ring's bytes."""
+    On gloo torch emulates this with an all_reduce of the whole input: twice the ring's bytes.
+
+    ``impl="ring"`` runs :func:`zerolab.ring.ring_reduce_scatter` instead (send/recv only, sum only,
+    blocking): the ring's (N-1)/N bytes, recorded as one reduce_scatter record (its inner sends are
+    not recorded separately). On gloo it is the faster of the two for large buffers (benchmarks)."""
     n = dist.get_world_size(group)
+    if impl not in ("torch", "ring"):
+        raise ValueError(f"reduce_scatter: impl={impl!r} is not supported: use 'torch' or 'ring'")
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected world_size "
                          f"({n}) x output ({output.numel()}) = {n * output.numel()}")
+    s = input.numel() * input.element_size()
+    if impl == "ring":
+        if async_op or op != dist.ReduceOp.SUM:
+            raise ValueError("reduce_scatter: impl='ring' is blocking and sums only "
+                             f"(got async_op={async_op!r}, op={op!r})")
+        from zerolab.ring import ring_reduce_scatter
+        t0, saved = time.perf_counter(), list(_ACTIVE)
+        _ACTIVE.clear()  # the ring's own sends are this one record, not separate ones
+        try:
+            ring_reduce_scatter(output, input, group)
+        finally:
+            _ACTIVE[:] = saved
+        ring = ring_bytes("reduce_scatter", s, n)
+        _record("reduce_scatter", input, group, ring, ring, time.perf_counter() - t0)
+        return None
     work, secs = _timed(lambda: _reduce_scatter_flat(output, input, op=op, group=group,
                                                      async_op=async_op), async_op)
-    s = input.numel() * input.element_size()
     real_op = "all_reduce" if _backend(group) == "gloo" else "reduce_scatter"
     _record("reduce_scatter", input, group, ring_bytes(real_op, s, n), ring_bytes("reduce_scatter", s, n), secs)
     return work

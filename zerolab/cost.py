@@ -1,6 +1,6 @@
 """A cost model for memory and step time at any scale: what a laptop cannot run, predicted.
 
-Everything here is closed-form and documented; ``benchmarks/calibrate_cost.py`` measures this
+Everything here is closed-form and documented; ``benchmarks/bench_cost.py`` measures this
 machine's profile and checks the predictions against zerolab's own measured step times, so the
 extrapolations to 64-4096 GPUs rest on a model that was confronted with measurements.
 
@@ -35,6 +35,9 @@ class Hardware:
     link_latency: float             # per ring step
     host_link_bandwidth: float      # device <-> host (PCIe), per direction
     host_adam_params_per_s: float   # host optimizer throughput (parameters updated per second)
+    # The device's own optimizer update (parameters per second). Default: free, the usual GPU
+    # assumption (a memory-bound update of Ψ/N params takes ~ms); a CPU profile measures it.
+    device_adam_params_per_s: float = math.inf
 
     def to_json(self):
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -52,9 +55,13 @@ class Hardware:
 # fused CPU AdamW updates ~1.3e9 fp32 params/s on the course's 2-core CI machine (33.6M params in
 # 26 ms, shared/COURSE.md); a server host with many cores does at least as well.
 # MFU 0.3-0.4: typical of the ZeRO paper's reported 38 TFLOP/s per V100 and of modern LLM training.
-V100_32GB = Hardware("V100 32GB + 100 Gb/s IB", 32e9, 125e12, 0.30, 12.5e9, 10e-6, 12e9, 1.0e9)
-A100_80GB = Hardware("A100 80GB + 200 Gb/s IB", 80e9, 312e12, 0.40, 25e9, 8e-6, 25e9, 2.0e9)
-H100_80GB = Hardware("H100 80GB + 400 Gb/s IB", 80e9, 989e12, 0.40, 50e9, 6e-6, 50e9, 3.0e9)
+# Device Adam: the update is memory-bound, ~28 bytes moved per parameter (read fp32 master, m, v and
+# the 2-byte grad, write master, m, v and the 2-byte param) at the datasheets' HBM bandwidth (V100
+# 0.9 TB/s, A100 80GB 2.0 TB/s, H100 SXM 3.35 TB/s): what data parallelism pays Ψ times per step and
+# ZeRO's partitioned optimizer Ψ/N times.
+V100_32GB = Hardware("V100 32GB + 100 Gb/s IB", 32e9, 125e12, 0.30, 12.5e9, 10e-6, 12e9, 1.0e9, 0.9e12 / 28)
+A100_80GB = Hardware("A100 80GB + 200 Gb/s IB", 80e9, 312e12, 0.40, 25e9, 8e-6, 25e9, 2.0e9, 2.0e12 / 28)
+H100_80GB = Hardware("H100 80GB + 400 Gb/s IB", 80e9, 989e12, 0.40, 50e9, 6e-6, 50e9, 3.0e9, 3.35e12 / 28)
 PROFILES = {"V100": V100_32GB, "A100": A100_80GB, "H100": H100_80GB}
 
 
@@ -98,6 +105,20 @@ def wire_bytes(num_params, world_size, stage, **kwargs):
     return sum(factor[op] * (n - 1) / n * b for op, b in step_collectives(num_params, n, stage, **kwargs))
 
 
+def comm_time(collectives, world_size, hw):
+    """Seconds of a list of (op, full-buffer bytes) ring collectives run one after the other: each
+    launch pays its own latency, so a schedule cut into buckets or units costs more than one call."""
+    return sum(ring_time(op, nbytes, world_size, hw) for op, nbytes in collectives)
+
+
+def update_time(num_params, world_size, stage, hw, *, offload=False):
+    """The device's optimizer update: Ψ parameters in data parallelism, the owned Ψ/N in stages 1-3
+    (ZeRO Sec. 5.1: each rank updates only its partition); 0 with offload (the host does it)."""
+    if offload:
+        return 0.0
+    return (num_params if stage == 0 else num_params / world_size) / hw.device_adam_params_per_s
+
+
 def compute_time(num_params, tokens, hw):
     """Forward + backward: 6·Ψ FLOPs per token (2 forward, 4 backward) at peak·MFU."""
     return 6 * num_params * tokens / (hw.peak_flops * hw.mfu)
@@ -112,18 +133,23 @@ def offload_time(num_params, world_size, hw, *, grad_bytes=2, param_bytes=2):
 
 
 def step_time(num_params, world_size, stage, *, tokens_per_rank, hw, offload=False, overlap=True,
-              grad_bytes=2, param_bytes=2):
-    """Predicted seconds per step on one rank: {"compute", "comm", "offload", "total"}.
+              grad_bytes=2, param_bytes=2, collectives=None):
+    """Predicted seconds per step on one rank: {"compute", "comm", "update", "offload", "total"}.
     With ``overlap`` communication hides behind compute (buckets, prefetch) and only the excess is
-    paid; without, they add. The host update is never hidden (no delayed parameter update)."""
+    paid; without, they add. The host update is never hidden (no delayed parameter update); the
+    device's own optimizer update ("update") is 0 unless ``hw.device_adam_params_per_s`` is finite.
+    ``collectives``: a list of (op, full-buffer bytes) to cost instead of :func:`step_collectives`'s
+    one call per phase (e.g. an engine's real schedule: one call per bucket or unit)."""
     compute = compute_time(num_params, tokens_per_rank, hw)
-    comm = sum(ring_time(op, b, world_size, hw)
-               for op, b in step_collectives(num_params, world_size, stage,
-                                             grad_bytes=grad_bytes, param_bytes=param_bytes))
+    if collectives is None:
+        collectives = step_collectives(num_params, world_size, stage,
+                                       grad_bytes=grad_bytes, param_bytes=param_bytes)
+    comm = comm_time(collectives, world_size, hw)
+    update = update_time(num_params, world_size, stage, hw, offload=offload)
     host = offload_time(num_params, world_size, hw, grad_bytes=grad_bytes, param_bytes=param_bytes) \
         if offload else 0.0
-    total = (max(compute, comm) if overlap else compute + comm) + host
-    return {"compute": compute, "comm": comm, "offload": host, "total": total}
+    total = (max(compute, comm) if overlap else compute + comm) + update + host
+    return {"compute": compute, "comm": comm, "update": update, "offload": host, "total": total}
 
 
 def largest_model(world_size, stage, hw, *, offload=False, reserved_bytes=0.0, mixed_precision=True):
@@ -134,3 +160,30 @@ def largest_model(world_size, stage, hw, *, offload=False, reserved_bytes=0.0, m
                                   offload=offload)["total"]
     budget = hw.device_memory - reserved_bytes
     return max(0.0, budget / per_param) if per_param else math.inf
+
+
+OPTIONS = ((0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True))
+
+
+def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mixed_precision=True,
+         overlap=True, tolerance=0.05, options=OPTIONS):
+    """Every (stage, offload) option for Ψ = ``num_params`` on ``world_size`` ranks of ``hw``, best
+    first: [{"stage", "offload", "device_bytes", "fits", "step_s", "times"}].
+
+    The decision rule of lesson 07, from the two things this module predicts: an option is possible
+    only if its per-rank model states fit in ``hw.device_memory - reserved_bytes`` (reserve room for
+    activations and buffers there); among those, the fastest predicted step wins, and options within
+    ``tolerance`` of the fastest count as equally fast, the lowest stage (fewest collectives, no
+    host round trip) first. Options that do not fit come last, smallest first."""
+    word = 2 if mixed_precision else 4
+    rows = []
+    for stage, offload in options:
+        dev = model_state_bytes(num_params, world_size, stage, mixed_precision=mixed_precision,
+                                offload=offload)["total"]
+        times = step_time(num_params, world_size, stage, tokens_per_rank=tokens_per_rank, hw=hw,
+                          offload=offload, overlap=overlap, grad_bytes=word, param_bytes=word)
+        rows.append({"stage": stage, "offload": offload, "device_bytes": dev,
+                     "fits": dev <= hw.device_memory - reserved_bytes, "step_s": times["total"], "times": times})
+    fastest = min((r["step_s"] for r in rows if r["fits"]), default=math.inf)
+    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"] > fastest * (1 + tolerance),
+                                       r["offload"], r["stage"] if r["fits"] else r["device_bytes"]))

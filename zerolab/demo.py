@@ -88,6 +88,8 @@ def _report():
     return {"state_bytes": st["placement"]["device"], "host_bytes": st["placement"]["host"],
             "padding": st["padding"],
             "ideal_bytes": log.ideal_bytes, "sent_bytes": log.sent_bytes, "measured_bytes": log.measured_bytes,
+            "schedule": [(r.op, r.tensor_bytes) for r in log.records       # the step's collectives,
+                         if r.op in ("all_reduce", "reduce_scatter", "all_gather")],  # for zerolab.cost
             "step_s": statistics.median(times), "loss": st["losses"][-1], "timeline": st["timeline"]}
 
 
@@ -121,6 +123,7 @@ def compare(cluster, *, stages=DEFAULT_STAGES, steps=5, batch_size=4, lr=1e-3, p
             else max(r["measured_bytes"] for r in per_rank),
             "step_s": statistics.median(r["step_s"] for r in per_rank),
             "loss": per_rank[0]["loss"],
+            "schedule": per_rank[0]["schedule"],
             "timeline": [r["timeline"] for r in per_rank],
         }
     bar.close()
@@ -129,32 +132,33 @@ def compare(cluster, *, stages=DEFAULT_STAGES, steps=5, batch_size=4, lr=1e-3, p
 
 def table(results, world_size):
     """The comparison as a fixed-width text table."""
-    head = (f"{'stage':<10}{'state MB/rank':>14}{'theory':>9}{'+pad':>7}{'host MB':>9}"
+    head = (f"{'stage':<10}{'state MB/rank':>14}{'theory':>9}{'+pad':>7}{'host MB':>9}{'theory':>9}"
             f"{'wire MB/step':>13}{'theory':>9}{'measured':>10}{'step ms':>9}{'final loss':>12}")
     rows = [f"{world_size} ranks, TinyGPT with {next(iter(results.values()))['psi']:,} parameters", head,
             "-" * len(head)]
     for spec, r in results.items():
         measured = "n/a" if r["wire_measured"] is None else f"{r['wire_measured'] / 1e6:.3f}"
         rows.append(f"{spec:<10}{r['state_bytes'] / 1e6:>14.3f}{r['theory_bytes'] / 1e6:>9.3f}"
-                    f"{r['padding'] / 1e6:>7.3f}{r['host_bytes'] / 1e6:>9.3f}{r['wire_logged'] / 1e6:>13.3f}"
+                    f"{r['padding'] / 1e6:>7.3f}{r['host_bytes'] / 1e6:>9.3f}{r['theory_host'] / 1e6:>9.3f}"
+                    f"{r['wire_logged'] / 1e6:>13.3f}"
                     f"{r['wire_theory'] / 1e6:>9.3f}{measured:>10}{r['step_s'] * 1e3:>9.1f}{r['loss']:>12.6f}")
     rows.append("state = params + grads + optimizer states on the compute device (measured, each storage "
                 "once); theory = ZeRO's formula; +pad = zero padding of the flat shards.")
+    rows.append("host = what offload keeps on the host (gradient shard, fp32 master, Adam moments; "
+                "ZeRO-Offload, arXiv 2101.06840), by role: on a CPU-only machine both are the same RAM.")
     rows.append("wire = bytes one rank sends per step: as logged by zerolab.comm (gloo's reduce-scatter "
                 "counts as the all-reduce it runs), the ideal ring (theory), and the socket count (measured).")
     return "\n".join(rows)
 
 
-def save_figures(results, world_size, out):
-    """Memory bars, comm bars and the per-rank timeline of one step for every stage, as PNGs."""
-    import matplotlib
-    matplotlib.use("Agg")
+def figures(results, world_size):
+    """[(file name, matplotlib Figure)]: memory bars, comm bars and the per-rank timeline of one
+    step for every stage (no backend switch: a notebook shows them inline)."""
     import matplotlib.pyplot as plt
     from zerolab.timeline import plot_timeline
-    os.makedirs(out, exist_ok=True)
     specs = list(results)
     x = range(len(specs))
-    paths = []
+    out = []
     for key, theory_key, title, fname in [
             ("state_bytes", "theory_bytes", "Model-state bytes per rank", "memory.png"),
             ("wire_measured", "wire_theory", "Bytes sent per rank per step", "comm.png")]:
@@ -168,18 +172,28 @@ def save_figures(results, world_size, out):
         ax.set_title(f"{title} ({world_size} ranks)")
         ax.legend()
         fig.tight_layout()
-        paths.append(os.path.join(out, fname))
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        out.append((fname, fig))
     fig, axes = plt.subplots(len(specs), 1, figsize=(9, 1.2 + 1.0 * len(specs) * world_size ** 0.5),
                              sharex=True)
     for ax, s in zip(axes if len(specs) > 1 else [axes], specs):
         plot_timeline(results[s]["timeline"], ax=ax, title=f"stage {s}: one step", label_spans=False,
                       colors=PHASE_COLORS)
     fig.tight_layout()
-    paths.append(os.path.join(out, "timeline.png"))
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    out.append(("timeline.png", fig))
+    return out
+
+
+def save_figures(results, world_size, out):
+    """Memory bars, comm bars and the per-rank timeline of one step for every stage, as PNGs."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(out, exist_ok=True)
+    paths = []
+    for fname, fig in figures(results, world_size):
+        paths.append(os.path.join(out, fname))
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
 
 

@@ -172,6 +172,8 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
     import importlib
     module_name, class_name = {0: ("data_parallel", "DataParallelEngine"), 1: ("zero1", "Zero1Engine"),
                                2: ("zero2", "Zero2Engine"), 3: ("zero3", "Zero3Engine")}[stage]
+    if offload == "optimizer" and stage in (1, 2):   # ZeRO-Offload on top of stage 1/2: zerolab.offload
+        module_name, class_name = "offload", f"Zero{stage}OffloadEngine"
     cls = getattr(importlib.import_module(f"zerolab.{module_name}"), class_name)
     check_same_model(model, group)
     return cls(model, optimizer=optimizer, opt_kwargs=dict(opt_kwargs, lr=lr), param_dtype=param_dtype,

@@ -75,6 +75,28 @@ class FlatParams:
         return [buffer[off:off + p.numel()].view(shape)
                 for p, off, shape in zip(self.params, self.offsets, self.shapes)]
 
+    def shard_from(self, tensors, dtype=None):
+        """This rank's shard (a new tensor, padding zero) laid out like ``data`` but filled from
+        ``tensors``, one per parameter: e.g. the fp32 originals of a buffer cast to bf16, so that
+        the fp32 master shard starts from the exact initial values (mixed precision)."""
+        lo, hi = self.shard_range()
+        out = torch.zeros(hi - lo, dtype=dtype or self.dtype, device=self.device)
+        for t, off in zip(tensors, self.offsets):
+            a, b = max(lo, off), min(hi, off + t.numel())   # overlap of the param with the shard
+            if a < b:
+                out[a - lo:b - lo].copy_(t.detach().reshape(-1)[a - off:b - off])
+        return out
+
+    def shard_padding(self, rank=None):
+        """How many of the padding zeros lie in ``rank``'s shard (the last shards hold them)."""
+        lo, hi = self.shard_range(rank)
+        return max(0, hi - max(lo, self.numel))
+
+    def view(self, buffer, i):
+        """View of ``buffer`` shaped like parameter i (one view: cheap enough for a per-param hook)."""
+        off = self.offsets[i]
+        return buffer[off:off + self.shapes[i].numel()].view(self.shapes[i])
+
     def bind(self, buffer):
         """Make every parameter a view into ``buffer`` (same layout as ``data``)."""
         for p, v in zip(self.params, self.views(buffer)):

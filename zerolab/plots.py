@@ -51,3 +51,91 @@ def draw_ring_schedule(world_size):
                  f"(RS = reduce-scatter, AG = all-gather)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def draw_flat_partition(params, shards, numel, padded, title=""):
+    """ZeRO's partitioning of one flat buffer: the parameters packed back to back (top row, zero
+    padding hatched) and the contiguous slice each rank owns (bottom row). ``params``: [(name,
+    offset, numel)], ``shards``: [(lo, hi)] per rank, as reported by the ranks themselves."""
+    fig, ax = plt.subplots(figsize=(10, 2.9))
+    colors = plt.cm.Pastel1(np.linspace(0, 1, 9))
+    for i, (name, off, n) in enumerate(params):
+        ax.barh(1, n, left=off, color=colors[i % 9], edgecolor="k", lw=0.6, label=name)
+        if n > 0.08 * padded:
+            ax.text(off + n / 2, 1, name, ha="center", va="center", fontsize=8)
+    if padded > numel:
+        ax.barh(1, padded - numel, left=numel, color="w", edgecolor="k", hatch="///", lw=0.6,
+                label=f"padding ({padded - numel})")
+    for r, (lo, hi) in enumerate(shards):
+        ax.barh(0, hi - lo, left=lo, color=plt.cm.tab10(r), alpha=0.55, edgecolor="k", lw=0.6)
+        ax.text((lo + hi) / 2, 0, f"rank {r}: [{lo}, {hi})", ha="center", va="center", fontsize=8)
+        ax.axvline(lo, color="k", ls=":", lw=0.8)
+    ax.set_yticks([0, 1], ["owner", "flat buffer"])
+    ax.set_xlim(0, padded)
+    ax.set_xlabel("element of the flat buffer")
+    ax.set_title(title, fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncol=8, loc="lower center", frameon=False)
+    fig.subplots_adjust(left=0.09, right=0.98, top=0.86, bottom=0.36)
+    return fig
+
+
+_STAGE_TITLES = {0: "stage 0 (DP): (2+2+K)Ψ", 1: "stage 1: 4Ψ + KΨ/N", 2: "stage 2: 2Ψ + (2+K)Ψ/N",
+                 3: "stage 3: (4+K)Ψ/N"}
+
+
+def draw_memory_per_rank(measured, theory, stages, world_sizes=(1, 2, 4)):
+    """Measured model states of every rank as stacked bars (params, grads, master, optimizer),
+    the theory as a black line over each group of N ranks, process RSS growth as red markers.
+    ``measured[(stage, n)]``: per rank ({kind: bytes}, rss_growth_bytes);
+    ``theory(stage, n)``: bytes per rank."""
+    kinds = ("params", "grads", "master", "optimizer")
+    colors = ("#93c5fd", "#fca5a5", "#fcd34d", "#86efac")
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.0 * len(stages), 3.4), sharey=True)
+    axes = np.atleast_1d(axes)
+    for ax, stage in zip(axes, stages):
+        x, centers = 0.0, []
+        for n in world_sizes:
+            start = x
+            for kinds_bytes, grown in measured[(stage, n)]:
+                bottom = 0.0
+                for kind, c in zip(kinds, colors):
+                    mb = kinds_bytes.get(kind, 0) / 1e6
+                    ax.bar(x, mb, bottom=bottom, color=c, edgecolor="k", lw=0.4, label=kind if x == 0 else None)
+                    bottom += mb
+                ax.plot(x, grown / 1e6, "rv", ms=6, label="process RSS growth" if x == 0 else None)
+                x += 1
+            ax.hlines(theory(stage, n) / 1e6, start - 0.45, x - 0.55, color="k", lw=2,
+                      label="ZeRO formula" if start == 0 else None)
+            centers.append((start + x - 1) / 2)
+            x += 0.7
+        ax.set_xticks(centers, [f"N = {n}" for n in world_sizes])
+        ax.set_title(_STAGE_TITLES[stage], fontsize=10)
+    axes[0].set_ylabel("MB per rank (one bar per rank)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[-1].legend(handles, labels, fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def draw_buckets(buckets, world_size, title=""):
+    """ZeRO-2's layout: one row per gradient bucket (in the order backward fills them), each its
+    own padded flat buffer cut into ``world_size`` equal slices, slice r owned by rank r.
+    ``buckets``: [(label, numel, padded)]."""
+    fig, ax = plt.subplots(figsize=(10, 0.42 * len(buckets) + 1.3))
+    for i, (label, numel, padded) in enumerate(buckets):
+        s = padded // world_size
+        for r in range(world_size):
+            ax.barh(-i, s, left=r * s, color=plt.cm.tab10(r), alpha=0.55, edgecolor="k", lw=0.5,
+                    label=f"rank {r}" if i == 0 else None)
+        if padded > numel:
+            ax.barh(-i, padded - numel, left=numel, color="w", edgecolor="k", hatch="///", lw=0.5,
+                    label="padding" if not any(p > n for _, n, p in buckets[:i]) else None)
+        ax.text(padded * 1.01, -i, label, va="center", fontsize=7)
+    ax.set_yticks([-i for i in range(len(buckets))], [f"bucket {i}" for i in range(len(buckets))])
+    ax.set_xlabel("element of the bucket's flat buffer")
+    ax.set_xlim(0, max(p for _, _, p in buckets) * 1.6)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig

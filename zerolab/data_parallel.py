@@ -1,0 +1,379 @@
+"""Data parallelism (stage 0): every rank holds the WHOLE model and trains it on its own data.
+
+N ranks, each with a full replica: parameters, gradients and optimizer states (16 bytes/param
+with Adam, the redundancy ZeRO removes; arXiv 1910.02054, Sec. 2). Each rank runs forward and
+backward on its own micro-batch; the gradients are then AVERAGED over the ranks, so every rank
+applies the same update and the replicas stay identical, and the result equals one process
+training on the N micro-batches concatenated (for a loss that is a mean over samples).
+
+Two ways to average, side by side:
+
+* naive (:func:`allreduce_gradients`): after backward, one blocking all-reduce per gradient.
+  Simple and correct; every byte waits for the whole backward, and a tiny tensor costs a
+  whole collective's latency.
+* bucketed + overlapped (:class:`BucketedGradSync`): gradients live in a few flat buckets
+  (``p.grad`` is a view into its bucket); a post-accumulate-grad hook notices when every
+  gradient of a bucket is final and starts that bucket's all-reduce asynchronously, while
+  backward goes on computing earlier layers. Buckets are filled in REVERSE parameter order
+  because backward produces the last layer's gradients first (torch DDP does the same).
+
+Bytes per rank per step, both ways: a ring all-reduce of the Ψ-element gradient sends
+2(N-1)/N x Ψ x (bytes per element) (reduce-scatter + all-gather, Sec. 7 of the ZeRO paper).
+
+:class:`DataParallel` wraps a module in the plain torch idiom (call
+``finish_gradient_synchronization()`` after backward); :class:`DataParallelEngine` is stage 0 of
+``zerolab.initialize``.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zerolab import comm
+from zerolab.engine import Engine
+from zerolab.flat import unique_trainable
+from zerolab.timeline import maybe_span
+
+
+def _global_rank(group, rank):
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def broadcast_module(module, src=0, group=None):
+    """Copy rank ``src``'s parameters AND buffers to every rank, one broadcast per dtype
+    (the tensors are packed into one flat buffer first: one collective, not one per tensor)."""
+    tensors = list({id(t): t for t in list(module.parameters()) + list(module.buffers())}.values())
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        same = [t for t in tensors if t.dtype == dtype]
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        comm.broadcast(flat, src=_global_rank(group, src), group=group)
+        with torch.no_grad():
+            for t, part in zip(same, flat.split([t.numel() for t in same])):
+                t.copy_(part.view_as(t))
+
+
+def allreduce_gradients(params, group=None):
+    """NAIVE gradient averaging: for each trainable parameter (tied weights once, frozen ones
+    skipped) one blocking all-reduce of its gradient, then divide by N."""
+    n = dist.get_world_size(group)
+    for p in unique_trainable(params):
+        if p.grad is None:            # unused in this step on this rank: it contributes zero
+            p.grad = torch.zeros_like(p)
+        comm.all_reduce(p.grad, group=group)   # sum over ranks: 2(N-1)/N x bytes sent
+        p.grad.div_(n)                          # ... and the sum becomes the mean
+
+
+def assign_buckets(params, bucket_bytes):
+    """Group ``params`` into buckets of at most ``bucket_bytes`` (a larger parameter gets a bucket
+    of its own), in REVERSE order, one dtype and device per bucket. Returns a list of lists."""
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    buckets, current, size = [], [], 0
+    for p in reversed(list(params)):
+        nbytes = p.numel() * p.element_size()
+        if current and (size + nbytes > bucket_bytes or p.dtype != current[0].dtype
+                        or p.device != current[0].device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Bucket:
+    """One flat gradient buffer; ``views[i]`` is ``params[i]``'s gradient inside it."""
+
+    def __init__(self, index, params):
+        self.index, self.params = index, params
+        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                  device=params[0].device)
+        self.views = list(v.view_as(p) for v, p in
+                          zip(self.buffer.split([p.numel() for p in params]), params))
+
+    @property
+    def nbytes(self):
+        return self.buffer.numel() * self.buffer.element_size()
+
+
+class BucketedGradSync:
+    """Bucketed, overlapped gradient averaging for the trainable parameters of ``module``.
+
+    After construction ``p.grad`` is a view into its bucket, so autograd accumulates straight into
+    the flat buffers (no copy before the collective). Per synchronising backward:
+
+    1. the hook on parameter p fires when p's gradient is final, and marks p ready;
+    2. when every parameter of the next bucket in order is ready, its async all-reduce starts.
+       Buckets start strictly in index order on every rank, so the ranks' collectives always
+       match even if gradients become ready in a different order;
+    3. :meth:`finish` starts any bucket not started yet (one whose parameter got no gradient in
+       this backward: it contributes zeros), waits for all, and starts a new round.
+
+    Tied weights and modules used twice: autograd sums every use of a leaf before its
+    AccumulateGrad node runs, so the hook fires ONCE per backward for them (tests check this).
+    It fires twice only when a second backward reaches the same gradient before :meth:`finish`
+    (two backward calls, or reentrant activation checkpointing). While the bucket is still
+    waiting that is harmless (the gradient just accumulates); once the bucket's all-reduce is in
+    flight it would race with the network, so we raise instead of averaging the wrong numbers.
+    """
+
+    def __init__(self, module, *, bucket_bytes, group=None, timeline=None):
+        self.group, self.timeline = group, timeline
+        self.world_size = dist.get_world_size(group)
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        params = unique_trainable(module.parameters())
+        self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(params, bucket_bytes))]
+        self._slot = {}
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                self._slot[id(p)] = (b, view)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+        self.enabled = True   # False inside no_sync(): accumulate locally, no communication
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._new_round()
+
+    def _new_round(self):
+        self._ready = [set() for _ in self.buckets]
+        self._next = 0        # index of the next bucket to start
+        self._inflight = []
+
+    def _bind(self, p, zero_if_missing=False):
+        """Make p.grad the bucket view again if someone replaced it (zero_grad(set_to_none=True)
+        leaves None; autograd then hands over a fresh tensor, which we copy into the bucket)."""
+        _, view = self._slot[id(p)]
+        if p.grad is None:
+            if zero_if_missing:
+                view.zero_()
+                p.grad = view
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+            p.grad = view
+
+    def _on_grad_ready(self, param):
+        # `param` is the PARAMETER; its .grad holds the accumulated gradient. All-reducing `param`
+        # itself would average the weights (identical anyway) and leave the gradients unsynced:
+        # the bug in picotron's naive DP hook.
+        self._bind(param)
+        if not self.enabled:
+            return
+        bucket, _ = self._slot[id(param)]
+        if bucket.index < self._next:
+            raise RuntimeError(
+                f"parameter {self.names.get(id(param), '?')!r} received a gradient after its bucket "
+                f"{bucket.index}'s all-reduce had started (a second backward before "
+                f"finish_gradient_synchronization(), or reentrant checkpointing). Call finish after "
+                f"each backward, or accumulate inside no_sync().")
+        self._ready[bucket.index].add(id(param))
+        while (self._next < len(self.buckets)
+               and len(self._ready[self._next]) == len(self.buckets[self._next].params)):
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket):
+        for p in bucket.params:
+            self._bind(p, zero_if_missing=True)
+        # Divide first, then sum: Σ_r g_r/N is the mean, and fp16 sums cannot overflow
+        # (torch DDP's default comm hook does the same).
+        bucket.buffer.div_(self.world_size)
+        work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        if self.timeline is not None:
+            self.timeline.mark_async(f"all_reduce bucket {bucket.index}", "comm", work)
+        self._inflight.append(work)
+        self._next += 1
+
+    def finish(self):
+        """Start the buckets still waiting, wait for every all-reduce: p.grad is the global mean.
+        A no-op while ``enabled`` is False (inside no_sync)."""
+        if not self.enabled:
+            return
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        with maybe_span(self.timeline, "wait for all-reduce", "wait"):
+            for work in self._inflight:
+                work.wait()
+        self._new_round()
+
+    def zero_grad(self):
+        """Zero the buckets in place; gradients stay views (never None) for the next backward."""
+        for b in self.buckets:
+            b.buffer.zero_()
+            for p, view in zip(b.params, b.views):
+                p.grad = view
+
+    def remove(self):
+        """Unregister the hooks (the module then trains without synchronisation)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+class DataParallel(nn.Module):
+    """Wrap ``module`` for data parallelism in a plain torch training loop::
+
+        model = DataParallel(model, bucket_bytes=25 * 2**20)   # None: naive, per-gradient sync
+        loss = model(x, y); loss.backward()
+        model.finish_gradient_synchronization()                 # p.grad = mean over ranks
+        optimizer.step(); model.zero_grad()
+
+    Construction broadcasts rank 0's parameters and buffers to every rank. For gradient
+    accumulation run the micro-steps inside ``with model.no_sync():``; the first synchronised
+    backward after them averages the accumulated sum. ``timeline`` (a zerolab.timeline.Timeline)
+    records each bucket's all-reduce as a span.
+    """
+
+    def __init__(self, module, bucket_bytes=None, *, group=None, broadcast=True, timeline=None):
+        super().__init__()
+        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes must be a positive int or None (naive), got {bucket_bytes!r}")
+        if not dist.is_initialized():
+            raise ValueError("DataParallel needs a process group: use zerolab.launch / Cluster, or "
+                             "zerolab.init_from_env() under torchrun")
+        self.module, self.group, self.bucket_bytes = module, group, bucket_bytes
+        if broadcast:
+            broadcast_module(module, group=group)
+        self.sync = (BucketedGradSync(module, bucket_bytes=bucket_bytes, group=group, timeline=timeline)
+                     if bucket_bytes is not None else None)
+        self._timeline = timeline
+        self._sync_enabled = True
+
+    @property
+    def timeline(self):
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, tl):
+        self._timeline = tl
+        if self.sync is not None:
+            self.sync.timeline = tl
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate local gradients and communicate nothing."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        if self.sync is not None:
+            self.sync.enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+            if self.sync is not None:
+                self.sync.enabled = previous
+
+    def finish_gradient_synchronization(self):
+        """Average the gradients over the ranks (wait for the bucketed all-reduces, or run the naive
+        ones). Call once after each backward outside no_sync(); inside it this does nothing."""
+        if not self._sync_enabled:
+            return
+        if self.sync is not None:
+            self.sync.finish()
+        else:
+            with maybe_span(self._timeline, "all_reduce every grad (naive)", "comm"):
+                allreduce_gradients(self.module.parameters(), group=self.group)
+
+    def zero_grad(self, set_to_none=True):
+        """Bucketed: zero the buckets in place (grads stay bucket views, whatever set_to_none
+        says). Naive: nn.Module.zero_grad."""
+        if self.sync is not None:
+            self.sync.zero_grad()
+        else:
+            super().zero_grad(set_to_none=set_to_none)
+
+
+def _cast_floats(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+class DataParallelEngine(Engine):
+    """Stage 0 of ``zerolab.initialize``: a full replica of everything on every rank.
+
+    Per rank, Ψ trainable parameters, Adam: fp32 training holds params 4Ψ + grads 4Ψ + moments
+    8Ψ; ``param_dtype=torch.bfloat16`` holds 2Ψ + 2Ψ + fp32 master 4Ψ + moments 8Ψ; both 16Ψ,
+    the (2 + 2 + K)Ψ baseline of the ZeRO paper (Sec. 3.1, K = 12). ``bucket_bytes=None`` selects
+    the naive sync. ``backward`` returns with averaged gradients (as torch DDP's backward does).
+    """
+
+    stage = 0
+
+    def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, offload, bucket_bytes, group):
+        super().__init__(module, optimizer=optimizer, opt_kwargs=opt_kwargs, param_dtype=param_dtype,
+                         offload=offload, bucket_bytes=bucket_bytes, group=group)
+        if offload is not None:
+            raise ValueError(f"offload={offload!r} is not supported by stage 0 (data parallel)")
+        broadcast_module(module, group=group)     # every rank starts from rank 0's weights
+        trainable = unique_trainable(module.parameters())
+        self.masters = None
+        if param_dtype in (torch.bfloat16, torch.float16):
+            # Mixed precision: fp32 master weights (4Ψ) taken BEFORE the cast, so nothing is lost;
+            # the model computes in 2-byte params and grads (2Ψ + 2Ψ).
+            self.masters = [p.detach().float().clone() for p in trainable]
+        if param_dtype is not None:
+            module.to(param_dtype)
+        self.ddp = DataParallel(module, bucket_bytes=bucket_bytes, group=group, broadcast=False)
+        self.optimizer = optimizer(self.masters if self.masters is not None else trainable, **self.opt_kwargs)
+        self._trainable = trainable
+        self._timeline = None
+
+    @property
+    def timeline(self):
+        """Set to a zerolab.timeline.Timeline to record forward/backward/all-reduce/step spans."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, tl):
+        self._timeline = self.ddp.timeline = tl
+
+    def forward(self, *args, **kwargs):
+        if self.param_dtype is not None:
+            args, kwargs = _cast_floats(args, self.param_dtype), _cast_floats(kwargs, self.param_dtype)
+        with maybe_span(self._timeline, "forward", "compute"):
+            return self.ddp(*args, **kwargs)
+
+    def _backward(self, loss):
+        with maybe_span(self._timeline, "backward compute", "compute"):
+            loss.backward()                 # bucketed: all-reduces start from the hooks in here
+        self.ddp.finish_gradient_synchronization()
+
+    def _step(self):
+        with maybe_span(self._timeline, "optimizer step", "optimizer"):
+            if self.masters is not None:
+                for m, p in zip(self.masters, self._trainable):
+                    m.grad = None if p.grad is None else p.grad.float()   # transient 4Ψ
+            self.optimizer.step()
+            if self.masters is not None:
+                with torch.no_grad():
+                    for m, p in zip(self.masters, self._trainable):
+                        p.copy_(m)          # round the fp32 master down to the compute dtype
+                        m.grad = None
+
+    def zero_grad(self):
+        self.ddp.zero_grad()
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def full_state_dict(self):
+        """{name: tensor}: the fp32 master under mixed precision, else the parameter's own dtype
+        (a float64 model stays float64). Tied weights appear once, frozen parameters included."""
+        masters = dict(zip(map(id, self._trainable), self.masters or []))
+        return {n: masters.get(id(p), p).detach().clone().to(
+                    torch.float32 if self.masters is not None else p.dtype)
+                for n, p in self.module.named_parameters()}
+
+    def state_tensors(self):
+        grads = ([b.buffer for b in self.ddp.sync.buckets] if self.ddp.sync is not None
+                 else [p.grad for p in self._trainable])
+        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+        return {"params": list(self.module.parameters()), "grads": grads, "optimizer": opt,
+                "master": list(self.masters or [])}
