@@ -29,7 +29,7 @@ lab: $(STAMP)
 # Unit + multi-process tests, graded tests on solutions/ (must pass) and on the untouched
 # exercises/ (every graded test must fail), then every notebook under nbval.
 test: $(STAMP)
-	$(PY) -m pytest tests -q --impl solutions --ignore=tests/test_notebooks.py
+	$(PY) -m pytest tests -q --impl solutions
 	$(PY) -m pytest tests/graded -q --impl exercises --stubs-must-fail
 	$(PY) -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 notebooks
 
