@@ -215,7 +215,8 @@ def broadcast(tensor, src, group=None, async_op=False):
     work, secs = _timed(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
     s = tensor.numel() * tensor.element_size()
     rank = dist.get_rank(group)
-    sent = _binomial_children(rank, src, n) * s if _backend(group) == "gloo" else ring_bytes("broadcast", s, n)
+    group_src = src if group is None else dist.get_group_rank(group, src)  # src is a global rank
+    sent = _binomial_children(rank, group_src, n) * s if _backend(group) == "gloo" else ring_bytes("broadcast", s, n)
     _record("broadcast", tensor, group, sent, ring_bytes("broadcast", s, n), secs)
     return work
 
