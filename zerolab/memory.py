@@ -13,6 +13,7 @@ Two halves, kept side by side so every lesson can set measurement beside theory:
   with or without CPU offload (Ren et al., ZeRO-Offload, arXiv 2101.06840).
 """
 import contextlib
+import operator
 import os
 import resource
 import sys
@@ -247,11 +248,16 @@ def allocation_trace():
 # Theory: the ZeRO formulas (arXiv 1910.02054, Sec. 5.1 and Fig. 1) and ZeRO-Offload's split
 # ---------------------------------------------------------------------------------------------
 def _count(name, value, minimum):
+    """An integer count (7.5e9 and numpy integers accepted) >= minimum, else ValueError."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return number
 
 
 def _div(numerator, n):
