@@ -113,12 +113,21 @@ def _open(page, lab, name):
     base, token = lab
     page.goto(f"{base}/lab/tree/{name}?token={token}&reset")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    page.wait_for_timeout(1500)
+    # JupyterLab may ask which kernel to start even for a notebook whose kernelspec exists. Accept
+    # only if it offers the declared one ("Python 3", kernelspec python3): a missing or misnamed
+    # kernelspec would preselect something else and fail here.
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count() and "Select Kernel" in dialog.first.inner_text():
+        offered = dialog.locator("select option:checked").first.inner_text()
+        assert offered.startswith("Python 3"), f"{name}: JupyterLab offers kernel {offered!r}"
+        dialog.locator("button", has_text="Select").first.click()
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
 
 
 def _run_all(page, timeout_s):
-    page.click("text=Run", timeout=30_000)             # the Run menu
-    page.click("text=Run All Cells", timeout=30_000)
+    page.click(".lm-MenuBar-itemLabel:text-is('Run')", timeout=30_000)      # the Run menu
+    page.click(".lm-Menu-itemLabel:text-is('Run All Cells')", timeout=30_000)
     page.wait_for_timeout(1000)
     deadline = time.monotonic() + timeout_s
     n_code = page.locator(".jp-CodeCell").count()
@@ -139,7 +148,6 @@ def _run_all(page, timeout_s):
 def test_every_notebook_opens_without_errors(page, lab):
     for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
         _open(page, lab, nb.name)
-        page.wait_for_timeout(1500)
         dialogs = page.locator(".jp-Dialog")
         assert dialogs.count() == 0, f"{nb.name}: a dialog opened: {dialogs.first.inner_text()[:200]}"
         # the notebook's declared kernelspec (python3) must start: the toolbar then names it
