@@ -1,0 +1,339 @@
+"""CPU offload, ZeRO-Offload style (Ren et al., USENIX ATC 2021, arXiv 2101.06840): the device keeps
+the compute-precision parameters and runs forward and backward; each rank's gradient shard, its fp32
+master shard, the optimizer moments and the update itself live on the host.
+
+One step on rank r of N, Ψ parameters, bf16 compute (paper Sec. 4.1, Fig. 2; split over N ranks):
+
+    device (GPU)                                 host (CPU)
+    bf16 params, full: 2Ψ                        fp32 master shard 4Ψ/N, Adam m and v 8Ψ/N
+    forward + backward: O(Ψ·tokens) compute
+    reduce-scatter: shard r of the grads  --->   bf16 grad shard 2Ψ/N (pinned)        2Ψ/N bytes down
+                                                 upcast, Adam on the master shard     O(Ψ/N), memory-bound
+    bf16 param shard r                    <---   cast to bf16 (same pinned buffer)    2Ψ/N bytes up
+    all-gather the params
+
+Why this cut (paper Sec. 4.1): all compute that grows with the batch stays on the fast device, which
+keeps only what it needs (the 2-byte params; gradients while backward produces them); the update is
+O(Ψ) and memory-bound, so the host can run it; and only gradients (down) and parameters (up) cross
+the host link: 4Ψ bytes per step (4Ψ/N per rank), the least any offload of the optimizer can move.
+
+This module adds, for ``initialize(..., stage=1 or 2, offload="optimizer")``:
+
+* :class:`HostOptimizer`: a pinned host gradient buffer (page-locked memory: ``non_blocking`` copies
+  are asynchronous DMAs), the fp32 master (always its own copy), torch's fused CPU kernel where it
+  exists (``fused=True``; else the default one), cast + copy back. Optional, OFF by default, clearly
+  one step stale: the delayed parameter update (DPU, paper Sec. 5.2).
+* :class:`Zero1OffloadEngine`, :class:`Zero2OffloadEngine`: the stage engines with the host optimizer;
+  stage 2 sends each bucket's shard to the host as its reduce-scatter lands, during backward.
+
+On a CPU-only machine "device" and "host" are the same memory: nothing moves physically, and
+:meth:`zerolab.engine.Engine.placement` is accounting BY ROLE (``host_kinds``), not by tensor.device.
+"""
+import threading
+
+import torch
+
+from zerolab import comm
+from zerolab.shard_optim import ShardOptimizer, master_dtype
+from zerolab.zero1 import Zero1Engine
+from zerolab.zero2 import Zero2Engine
+
+HOST = torch.device("cpu")
+
+
+def host_buffer(numel, dtype, *, like):
+    """A zeroed 1-D host tensor for copies to/from ``like``'s device: pinned when that device is a
+    GPU (page-locked memory is what lets ``copy_(..., non_blocking=True)`` run as an async DMA)."""
+    return torch.zeros(numel, dtype=dtype, device=HOST, pin_memory=like.is_cuda)
+
+
+def host_optimizer(params, optimizer_class, *, fused=None, **opt_kwargs):
+    """``optimizer_class(params, **opt_kwargs)`` for host tensors, returned with whether it is fused.
+
+    ``fused=None``: torch's fused CPU kernel (one vectorised, multithreaded pass over p, g, m, v;
+    the counterpart of the paper's CPU-Adam, Sec. 5.1) when this optimizer/dtype/torch has one,
+    else the default implementation (a for-loop over tensors on CPU). ``fused=True/False``: as asked.
+    """
+    if fused is None:
+        try:
+            return optimizer_class(params, fused=True, **opt_kwargs), True
+        except (RuntimeError, TypeError, ValueError):
+            pass            # no fused CPU kernel here (or foreach=True was asked): the default one
+        return optimizer_class(params, **opt_kwargs), False
+    return optimizer_class(params, fused=fused, **opt_kwargs), bool(fused)
+
+
+class HostOptimizer(ShardOptimizer):
+    """A :class:`~zerolab.shard_optim.ShardOptimizer` whose master, moments, gradient shard and
+    update live on the host. ``shards``: this rank's device shard(s), compute dtype; ``init``: their
+    exact fp32 initial values (a host fp32 tensor is adopted without a copy). ``self.grads``: the host
+    gradient shard(s), views into ``grad_flat``; ``bytes_to_host`` / ``bytes_to_device``: what crossed.
+
+    Delayed parameter update (``delayed = True``; paper Sec. 5.2): :meth:`step` starts the host
+    update in a background thread and returns; the device runs the NEXT forward/backward on the
+    parameters it has; the result goes up at the next step. So p_t = p_{t-1} - u(g_t(p_{t-2})):
+    each gradient is taken one update behind (the paper turns DPU on after a warm-up of normal steps).
+    """
+
+    def __init__(self, shards, optimizer_class, *, init=None, fused=None, **opt_kwargs):
+        self.shards = [shards] if torch.is_tensor(shards) else list(shards)
+        init = [None] * len(self.shards) if init is None else list(init)
+        if not self.shards or any(s.dim() != 1 for s in self.shards) or len({s.dtype for s in self.shards}) != 1 \
+                or len(init) != len(self.shards):
+            raise ValueError(f"HostOptimizer needs 1-D shards of one dtype and one init per shard, got shards "
+                             f"{[(tuple(s.shape), str(s.dtype)) for s in self.shards]} and {len(init)} init")
+        dtype = master_dtype(self.shards[0].dtype)
+        self.master = []
+        for shard, start in zip(self.shards, init):
+            if start is not None and start is not shard and start.device == HOST and start.dtype == dtype:
+                self.master.append(start.detach())          # a separate host fp32 copy already: adopt
+            else:     # always its own copy, fp32 training included: on a GPU system it is other memory
+                self.master.append((shard if start is None else start).detach().to(HOST, dtype, copy=True))
+        self.optimizer, self.fused = host_optimizer(self.master, optimizer_class, fused=fused, **opt_kwargs)
+        sizes = [s.numel() for s in self.shards]
+        self.grad_flat = host_buffer(sum(sizes), self.shards[0].dtype, like=self.shards[0])
+        self.grads = list(self.grad_flat.split(sizes))          # the host gradient shard(s)
+        self.workspace = None                                   # fp32 gradient for the optimizer
+        self._fresh = [True] * len(self.shards)                 # no gradient arrived since zero_grad
+        self._unread = False                                    # gradients arrived, not yet stepped
+        self._copied = None                                     # CUDA event after the last copy
+        self._job, self._error = None, None                     # the running delayed update
+        self._unsent = False                                    # an update the device does not have
+        self.delayed = False
+        self.bytes_to_host = self.bytes_to_device = 0
+
+    def aliased(self, i):
+        return False                                            # the master is never the shard
+
+    def element_bytes(self, i):
+        return super().element_bytes(i) + (0 if self.workspace is None else self.workspace.element_size())
+
+    # -- device -> host --------------------------------------------------------------------
+    @torch.no_grad()
+    def to_host(self, i, grad):
+        """Send gradient shard i (on the device) into ``self.grads[i]``: asynchronously on CUDA; a
+        copy the first time after :meth:`zero_grad`, an add on the host after that (accumulation)."""
+        if self._fresh[i]:
+            self.grads[i].copy_(grad, non_blocking=True)        # pinned destination: async D2H
+            self._fresh[i] = False
+        else:
+            self.grads[i].add_(grad.to(HOST))                   # blocking copy, add on the host
+        self.bytes_to_host += grad.numel() * grad.element_size()
+        self._unread = True
+        self._record(grad)
+
+    def _record(self, device_tensor):
+        if device_tensor.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()                              # copies run in stream order: the last suffices
+
+    def _landed(self):
+        if self._copied is not None:
+            self._copied.synchronize()                         # the host may now touch self.grads
+            self._copied = None
+
+    def zero_grad(self):
+        self._landed()
+        self.grad_flat.zero_()
+        self._fresh, self._unread = [True] * len(self.shards), False
+
+    # -- the host update ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, grads=None):
+        """One update. ``grads``: the device gradient shard(s), sent to the host first (stage 1);
+        entries that are already ``self.grads`` (stage 2 sent them during backward), or None, are
+        used as they are."""
+        grads = [] if grads is None else [grads] if torch.is_tensor(grads) else list(grads)
+        if grads and [g.shape for g in grads] != [s.shape for s in self.shards]:
+            raise ValueError(f"HostOptimizer.step: gradient shapes {[tuple(g.shape) for g in grads]} "
+                             f"for shards {[tuple(s.shape) for s in self.shards]}")
+        for i, g in enumerate(grads):
+            if g is not self.grads[i]:
+                self._fresh[i] = True
+                self.to_host(i, g)
+        self._landed()
+        self.wait()                                           # DPU: the previous update is done
+        for i, (m, g) in enumerate(zip(self.master, self.grads)):
+            m.grad = self._fp32(i, g)
+        self._unread = False
+        if self._unsent:                                      # DPU: the previous update's result goes up
+            self._write_back()
+        if self.delayed:
+            self._job = threading.Thread(target=self._update, name="zerolab-host-update", daemon=True)
+            self._job.start()                                 # overlaps the next forward/backward
+            self._unsent = True
+        else:
+            self._update()
+            self._raise()
+            self._write_back()
+
+    def _fp32(self, i, g):
+        """The gradient the optimizer reads, in the master's dtype: the host shard itself in fp32
+        training; else (and under DPU, since the next backward refills self.grads) a copy into a
+        persistent fp32 workspace (4Ψ/N bytes; a fresh 4Ψ/N tensor every step would cost its page
+        faults each time, measured here ~5x the copy itself)."""
+        m = self.master[i]
+        if g.dtype == m.dtype and not self.delayed:
+            return g
+        if self.workspace is None:
+            self.workspace = torch.empty(sum(x.numel() for x in self.master), dtype=m.dtype)
+        off = sum(x.numel() for x in self.master[:i])
+        return self.workspace[off:off + m.numel()].copy_(g)    # bf16 -> fp32 upcast
+
+    def _update(self):
+        try:
+            self.optimizer.step()                              # on the host: master, m, v (KΨ/N)
+        except BaseException as exc:                           # re-raised in the training thread
+            self._error = exc
+        for m in self.master:
+            m.grad = None
+
+    def _raise(self):
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
+
+    def wait(self):
+        """Join the running delayed update, if any: the master and moments are then current."""
+        if self._job is not None:
+            self._job.join()
+            self._job = None
+        self._raise()
+
+    def pending(self):
+        """True if a delayed update has run whose result the device does not have yet."""
+        return self._unsent
+    @torch.no_grad()
+    def _write_back(self):
+        """Cast the fp32 master into the compute dtype and copy it into the device shard(s). On a GPU
+        the pinned gradient buffer, already read by the step, is the staging buffer on the way up."""
+        for m, shard, staging in zip(self.master, self.shards, self.grads):
+            if shard.device == HOST:
+                shard.copy_(m)                                 # one memory: cast in place
+            else:
+                staging.copy_(m)                               # cast on the host, into pinned memory,
+                shard.copy_(staging, non_blocking=True)        # then async H2D before the all-gather
+                self._record(shard)
+            self.bytes_to_device += shard.numel() * shard.element_size()
+        self._unsent = False
+
+    def flush(self):
+        """Finish a delayed update and write its result into the device shard(s) (the caller then
+        all-gathers): afterwards nothing is pending. Call it after step(), not between backward()
+        and step() (the gradient buffer is the staging buffer on the way up)."""
+        if self._unsent:
+            if self._unread:
+                raise RuntimeError("flush() between backward() and step(): call it after step()")
+            self.wait()
+            self._write_back()
+
+    def state_tensors(self):
+        """The base kinds plus 'host_grads' (the host gradient shard) and 'workspace' (fp32 gradient
+        the optimizer reads; bf16 training and DPU only): all on the host."""
+        self.wait()                                            # no reading state while it is updated
+        return dict(super().state_tensors(), host_grads=[self.grad_flat],
+                    workspace=[] if self.workspace is None else [self.workspace])
+
+
+class _Offload:
+    """What both offload engines add to their stage: placement by role, DPU switch, traffic, flush.
+    Subclasses provide ``host_optimizers()`` and ``_flats()`` (the flat buffers to all-gather)."""
+
+    # ZeRO-Offload: fp32 master, optimizer moments and the reduce-scattered gradient shard live on
+    # the host (arXiv 2101.06840, Sec. 4.1); everything else (the compute-dtype params, gradients
+    # while backward produces them, frozen params) stays on the device.
+    host_kinds = ("master", "optimizer", "host_grads", "workspace")
+
+    @property
+    def delayed_update(self):
+        """Delayed parameter update (paper Sec. 5.2; one step stale, see :class:`HostOptimizer`).
+        Off by default; set it True after some warm-up steps, as the paper does."""
+        return all(h.delayed for h in self.host_optimizers())
+
+    @delayed_update.setter
+    def delayed_update(self, on):
+        if on not in (True, False):
+            raise ValueError(f"delayed_update must be True or False, got {on!r}")
+        for h in self.host_optimizers():
+            h.delayed = on
+
+    def host_traffic(self):
+        """{'to_host': bytes, 'to_device': bytes} sent across the device-host boundary so far by this
+        rank (theory, per step: 2Ψ/N each way in bf16, ZeRO-Offload Sec. 4.1)."""
+        hs = self.host_optimizers()
+        return {"to_host": sum(h.bytes_to_host for h in hs), "to_device": sum(h.bytes_to_device for h in hs)}
+
+    def full_state_dict(self):
+        for h in self.host_optimizers():
+            h.wait()                                           # the master is the newest state
+        return super().full_state_dict()
+
+    def flush(self):
+        """Apply a pending delayed update to the device parameters (then all-gather): call it
+        before evaluating the model when ``delayed_update`` is on. Every rank must call it."""
+        if any(h.pending() for h in self.host_optimizers()):
+            for h in self.host_optimizers():
+                h.flush()
+            for flat in self._flats():                             # the same all-gather as a step's
+                comm.all_gather(flat.data, flat.shard(flat.data), group=self.group)
+
+
+class Zero1OffloadEngine(_Offload, Zero1Engine):
+    """ZeRO-1 + offload: the full gradient is still on the device until the reduce-scatter at the end
+    of backward; at the step, shard r goes to the host, is updated there and comes back."""
+
+    def __init__(self, module, **options):
+        super().__init__(module, **options)
+        opt = self.optimizer
+        for i, so in enumerate(opt.shard_optims):          # swap each group's optimizer for a host one,
+            if so is not None:                             # adopting its fp32 master (exact initial values)
+                opt.shard_optims[i] = HostOptimizer(so.shards, self.optimizer_class, init=so.master,
+                                                    **self.opt_kwargs)
+
+    def host_optimizers(self):
+        return [s for _, _, s in self.optimizer._groups()]
+
+    def _flats(self):
+        return [f for f, _, _ in self.optimizer._groups()]
+
+    def state_tensors(self):
+        host = [h.state_tensors() for h in self.host_optimizers()]
+        return dict(super().state_tensors(), host_grads=[t for h in host for t in h["host_grads"]],
+                    workspace=[t for h in host for t in h["workspace"]])
+
+    def padding_bytes(self):
+        return super().padding_bytes() + sum(f.shard_padding() * s.grad_flat.element_size()
+                                              for f, _, s in self.optimizer._groups())
+
+
+class Zero2OffloadEngine(_Offload, Zero2Engine):
+    """ZeRO-2 + offload, the paper's configuration: as each bucket's reduce-scatter lands (during
+    backward) its averaged shard goes to the host; the device keeps no gradient shard at all."""
+
+    def __init__(self, module, **options):
+        super().__init__(module, **options)
+        so = self.shard_optim
+        self.shard_optim = HostOptimizer(so.shards, self.optimizer_class, init=so.master, **self.opt_kwargs)
+        # The persistent gradient shard is now the host buffer (Zero2Engine's device one is dropped).
+        self.grad_shard, self.grad_shards = self.shard_optim.grad_flat, self.shard_optim.grads
+
+    def _keep_shard(self, i, shard):
+        self.shard_optim.to_host(i, shard)     # bucket i's averaged shard: device -> host, async
+
+    def zero_grad(self):
+        self.shard_optim.zero_grad()
+        for p in self.trainable:
+            p.grad = None
+
+    def host_optimizers(self):
+        return [self.shard_optim]
+
+    def _flats(self):
+        return self.buckets
+
+    def state_tensors(self):
+        st = super().state_tensors()
+        st["grads"] = [g for g in st["grads"] if g is not self.grad_shard]   # device: only while backward runs
+        st["host_grads"] = [self.grad_shard]
+        st["workspace"] = self.shard_optim.state_tensors()["workspace"]
+        return st
