@@ -251,15 +251,27 @@ GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 BIG = dict(vocab_size=4096, d_model=512, n_layers=4, n_heads=8, seq_len=64)
 
 
+def _cuda_engine(model, offload, bucket_bytes=25 * 2**20):
+    """Stage 2 in bf16 on this rank's GPU. Built directly rather than by initialize(): its same-model
+    check all-reduces a CPU tensor, which a pure NCCL process group cannot do. NCCL's own
+    reduce_scatter is the right one on GPUs (the ring from send/recv is for gloo)."""
+    from zerolab.offload import Zero2OffloadEngine
+    from zerolab.zero2 import Zero2Engine
+    cls = Zero2OffloadEngine if offload else Zero2Engine
+    engine = cls(model, optimizer=torch.optim.AdamW, opt_kwargs={"lr": LR}, param_dtype=torch.bfloat16,
+                 offload=offload, bucket_bytes=bucket_bytes, group=None)
+    engine.reduce_impl = "torch"
+    return engine
+
+
 def _cuda_memory(offload):
     import zerolab
     dev = zerolab.rank_device()
     assert dev.type == "cuda", f"expected a CUDA rank, got {dev}"
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
-    import zerolab.engine
     model = models.build("gpt", seed=0, **BIG).to(dev)
-    engine = zerolab.engine.initialize(model, stage=2, lr=LR, param_dtype=torch.bfloat16, offload=offload)
+    engine = _cuda_engine(model, offload)
     x, y = (t.to(dev) for t in models.batch("gpt", seed=dist.get_rank(), batch_size=2, model=model))
     for _ in range(2):                                # two steps: Adam's moments exist
         engine.backward(engine(x, y))
@@ -304,13 +316,11 @@ def test_gpu_offload_frees_device_memory(clusters):
 
 def _cuda_equal():
     import zerolab
-    import zerolab.engine
     dev = zerolab.rank_device()
     out = []
     for offload in (None, "optimizer"):
         model = models.build("gpt", seed=0).to(dev)
-        engine = zerolab.engine.initialize(model, stage=2, lr=LR, param_dtype=torch.bfloat16, offload=offload,
-                                           bucket_bytes=20000)
+        engine = _cuda_engine(model, offload, bucket_bytes=20000)
         for s in range(3):
             x, y = (t.to(dev) for t in _batch("gpt", s, dist.get_rank()))
             engine.backward(engine(x, y))

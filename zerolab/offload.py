@@ -203,6 +203,7 @@ class HostOptimizer(ShardOptimizer):
     def pending(self):
         """True if a delayed update has run whose result the device does not have yet."""
         return self._unsent
+
     @torch.no_grad()
     def _write_back(self):
         """Cast the fp32 master into the compute dtype and copy it into the device shard(s). On a GPU
