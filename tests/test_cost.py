@@ -73,3 +73,34 @@ def test_zero_offload_single_gpu_headline():
 def test_profile_round_trips_through_json():
     assert cost.Hardware.from_json(HW.to_json()) == HW
     assert not math.isinf(cost.largest_model(2, 0, HW))
+
+
+def test_update_and_comm_time_by_hand():
+    hw = cost.Hardware("upd", 10e9, 100e12, 0.5, 1e9, 1e-5, 2e9, 1e8, device_adam_params_per_s=1e9)
+    # DP updates all Ψ, ZeRO the owned Ψ/N, offload none on the device
+    assert cost.update_time(1e9, 4, 0, hw) == pytest.approx(1.0)
+    assert cost.update_time(1e9, 4, 2, hw) == pytest.approx(0.25)
+    assert cost.update_time(1e9, 4, 2, hw, offload=True) == 0.0
+    assert cost.update_time(1e9, 4, 0, HW) == 0.0                 # default: the device update is free
+    # two calls of 1 GB each pay their own latency: 2 x (3 x 10 us + 0.75 s)
+    assert cost.comm_time([("all_gather", 1e9)] * 2, 4, hw) == pytest.approx(2 * (3e-5 + 0.75))
+    t = cost.step_time(1e9, 4, 1, tokens_per_rank=1000, hw=hw, collectives=[("all_gather", 1e9)] * 2,
+                       overlap=False)
+    assert t["total"] == pytest.approx(0.12 + 2 * (3e-5 + 0.75) + 0.25)
+
+
+def test_published_device_adam_is_memory_bound():
+    # 28 bytes per parameter at 0.9 TB/s: DP's full update of 7.5B on a V100 takes 0.233 s
+    assert cost.update_time(7.5e9, 64, 0, cost.V100_32GB) == pytest.approx(7.5e9 * 28 / 0.9e12)
+
+
+def test_plan_picks_the_lowest_stage_among_the_fastest_that_fit():
+    # everything fits and, with a free device update, stages 0-2 take the same time: DP, the simplest
+    assert cost.plan(1_000_000, 8, HW, tokens_per_rank=1000)[0]["stage"] == 0
+    # 10 GB devices, Ψ = 1e9 on N = 8: DP needs 16 GB (no), ZeRO-1 4 + 12/8 = 5.5 GB (yes)
+    best = cost.plan(1_000_000_000, 8, HW, tokens_per_rank=1000)[0]
+    assert (best["stage"], best["offload"], best["fits"]) == (1, False, True)
+    # 1e12 on 8: nothing fits; the option needing the least memory comes first (stage 3 + offload: 2Ψ/N)
+    best = cost.plan(10 ** 12, 8, HW, tokens_per_rank=1000)[0]
+    assert (best["stage"], best["offload"], best["fits"]) == (3, True, False)
+    assert best["device_bytes"] == pytest.approx(2 * 10 ** 12 / 8)

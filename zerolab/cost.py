@@ -105,10 +105,13 @@ def wire_bytes(num_params, world_size, stage, **kwargs):
     return sum(factor[op] * (n - 1) / n * b for op, b in step_collectives(num_params, n, stage, **kwargs))
 
 
-def comm_time(collectives, world_size, hw):
+def comm_time(collectives, world_size, hw, *, links=None):
     """Seconds of a list of (op, full-buffer bytes) ring collectives run one after the other: each
-    launch pays its own latency, so a schedule cut into buckets or units costs more than one call."""
-    return sum(ring_time(op, nbytes, world_size, hw) for op, nbytes in collectives)
+    launch pays its own latency, so a schedule cut into buckets or units costs more than one call.
+    ``links``: optional {op: Hardware} whose link_bandwidth/link_latency a collective of that kind
+    uses instead of ``hw``'s (a backend's all-gather need not run at its all-reduce's speed)."""
+    links = links or {}
+    return sum(ring_time(op, nbytes, world_size, links.get(op, hw)) for op, nbytes in collectives)
 
 
 def update_time(num_params, world_size, stage, hw, *, offload=False):
@@ -133,18 +136,19 @@ def offload_time(num_params, world_size, hw, *, grad_bytes=2, param_bytes=2):
 
 
 def step_time(num_params, world_size, stage, *, tokens_per_rank, hw, offload=False, overlap=True,
-              grad_bytes=2, param_bytes=2, collectives=None):
+              grad_bytes=2, param_bytes=2, collectives=None, links=None):
     """Predicted seconds per step on one rank: {"compute", "comm", "update", "offload", "total"}.
     With ``overlap`` communication hides behind compute (buckets, prefetch) and only the excess is
     paid; without, they add. The host update is never hidden (no delayed parameter update); the
     device's own optimizer update ("update") is 0 unless ``hw.device_adam_params_per_s`` is finite.
     ``collectives``: a list of (op, full-buffer bytes) to cost instead of :func:`step_collectives`'s
-    one call per phase (e.g. an engine's real schedule: one call per bucket or unit)."""
+    one call per phase (e.g. an engine's real schedule: one call per bucket or unit); ``links``: per-op
+    link profiles, see :func:`comm_time`."""
     compute = compute_time(num_params, tokens_per_rank, hw)
     if collectives is None:
         collectives = step_collectives(num_params, world_size, stage,
                                        grad_bytes=grad_bytes, param_bytes=param_bytes)
-    comm = comm_time(collectives, world_size, hw)
+    comm = comm_time(collectives, world_size, hw, links=links)
     update = update_time(num_params, world_size, stage, hw, offload=offload)
     host = offload_time(num_params, world_size, hw, grad_bytes=grad_bytes, param_bytes=param_bytes) \
         if offload else 0.0
@@ -185,5 +189,5 @@ def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mix
         rows.append({"stage": stage, "offload": offload, "device_bytes": dev,
                      "fits": dev <= hw.device_memory - reserved_bytes, "step_s": times["total"], "times": times})
     fastest = min((r["step_s"] for r in rows if r["fits"]), default=math.inf)
-    return sorted(rows, key=lambda r: (not r["fits"], r["step_s"] > fastest * (1 + tolerance),
-                                       r["offload"], r["stage"] if r["fits"] else r["device_bytes"]))
+    return sorted(rows, key=lambda r: (0, r["step_s"] > fastest * (1 + tolerance), r["offload"], r["stage"])
+                  if r["fits"] else (1, r["device_bytes"]))

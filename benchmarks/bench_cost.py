@@ -1,0 +1,139 @@
+"""python -m benchmarks.bench_cost [--world-sizes 2 3 4] [--rounds 5] [--profile benchmarks/profile_cpu.json]
+
+Calibrate zerolab.cost on this machine, then check its step-time predictions against zerolab's own
+measured step times (issue 13: a cost model students can trust because it met measurements first).
+
+Per world size N (2, 3, 4), on N real ranks (zerolab.calibrate.measure): this machine's profile
+(gloo bus bandwidth and latency from all_reduce of two sizes, and the same for all_gather and the
+ring reduce-scatter the ZeRO engines use; effective FLOP/s of the model's forward + backward while N
+ranks share the cores; AdamW parameters per second, default and fused kernel; copy bandwidth) and a
+training step of every stage, interleaved round by round so that load from anything else hits all
+of them alike. The profile is written to ``--profile`` (JSON, one zerolab.cost.Hardware per N, plus
+the per-collective links); each stage is then predicted from the profile alone with
+zerolab.cost.step_time (no overlap: CPU ranks share their cores) and set beside its measured median.
+Ranks run with a caching malloc (zerolab.calibrate.caching_allocator; ``--system-malloc`` to turn it
+off): like the CUDA caching allocator, it stops freed buffers from being page-faulted back every step.
+"""
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import sys
+import time
+
+import torch
+
+import zerolab
+from zerolab import calibrate
+
+HERE = pathlib.Path(__file__).resolve().parent
+DEFAULT_PROFILE = HERE / "profile_cpu.json"
+TARGET = 0.25        # issue 13: within 25% for every stage at every measured size
+
+
+def run(world_sizes=(2, 3, 4), *, stages=calibrate.STAGES, rounds=5, model_kwargs=None,
+        batch_size=calibrate.BATCH, system_malloc=False, progress=None):
+    """Measure and predict at every world size. Returns (profile dict, rows)."""
+    model_kwargs = dict(calibrate.MODEL if model_kwargs is None else model_kwargs)
+    profile = {"made_by": "python -m benchmarks.bench_cost", "date": datetime.date.today().isoformat(),
+               "torch": torch.__version__, "cores": len(os.sched_getaffinity(0)),
+               "malloc": "system" if system_malloc else "caching", "model": model_kwargs,
+               "batch_per_rank": batch_size, "world_sizes": {}, "raw": {}, "errors": {}}
+    rows, load0 = [], os.getloadavg()[0]
+    for n in world_sizes:
+        t0 = time.time()
+        with contextlib.nullcontext() if system_malloc else calibrate.caching_allocator():
+            cluster = zerolab.Cluster(n, timeout=900)           # ranks read malloc's settings here
+        with cluster:
+            per_rank = cluster.run(calibrate.measure, stages, model_kwargs, batch_size, rounds)
+        hw, links, raw, stage_rows = calibrate.compare(per_rank, n)
+        profile["world_sizes"][str(n)] = json.loads(hw.to_json())
+        profile.setdefault("links", {})[str(n)] = {op: {"link_bandwidth": h.link_bandwidth,
+                                                        "link_latency": h.link_latency} for op, h in links.items()}
+        profile["raw"][str(n)] = raw
+        profile["errors"].update(per_rank[0]["errors"])
+        rows += stage_rows
+        if progress:
+            progress(f"  {n} ranks: {time.time() - t0:.0f} s")
+    profile["load"] = (load0, os.getloadavg()[0])
+    return profile, rows
+
+
+def table(profile, rows):
+    """Markdown: the profile, then predicted vs measured per world size and stage."""
+    out = ["### Cost model calibrated on this machine: predicted vs measured step time", "",
+           f"TinyGPT {profile['model']}, {profile['batch_per_rank']} sequences per rank, fp32 AdamW, gloo, "
+           f"{profile['malloc']} malloc. Profile (`benchmarks/profile_cpu.json`), all N ranks measuring at once:", "",
+           "| N | bus GB/s, µs per ring step: all_reduce | all_gather | reduce_scatter (ring) | model GFLOP/s per "
+           "rank | AdamW Mparams/s (device / host kernel) | copy GB/s |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for n, hw in profile["world_sizes"].items():
+        link = lambda d: f"{d['link_bandwidth'] / 1e9:.2f}, {d['link_latency'] * 1e6:.0f}"
+        ops = profile["links"][n]
+        out.append(f"| {n} | {link(hw)} | {link(ops['all_gather'])} | {link(ops['reduce_scatter'])} | "
+                   f"{hw['peak_flops'] / 1e9:.1f} | {hw['device_adam_params_per_s'] / 1e6:.0f} / "
+                   f"{hw['host_adam_params_per_s'] / 1e6:.0f} | "
+                   f"{hw['host_link_bandwidth'] / 1e9:.1f} |")
+    out += ["", "| N | stage | collectives | measured ms | predicted ms, all_reduce's link | error | predicted ms, "
+            "each collective's link | error | compute / comm / update / offload ms (last prediction) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    misses = {"ours": [], "links": []}
+    for r in rows:
+        m, a, b = r["measured"], r["ours"], r["links"]
+        for key in misses:
+            if abs(r[key]["total"] / m - 1) > TARGET:
+                misses[key].append(f"N={r['world_size']} stage {r['stage']} ({r[key]['total'] / m - 1:+.0%})")
+        out.append(f"| {r['world_size']} | {r['stage']} | {r['calls']} | {m * 1e3:.1f} | {a['total'] * 1e3:.1f} | "
+                   f"{a['total'] / m - 1:+.0%} | {b['total'] * 1e3:.1f} | {b['total'] / m - 1:+.0%} | "
+                   f"{b['compute'] * 1e3:.1f} / {b['comm'] * 1e3:.1f} / {b['update'] * 1e3:.1f} / "
+                   f"{b['offload'] * 1e3:.1f} |")
+    summary = lambda key: (f"{len(rows) - len(misses[key])} of {len(rows)} within ±{TARGET:.0%}"
+                           + (f" (outside: {', '.join(misses[key])})" if misses[key] else ""))
+    out += ["", "Predicted = zerolab.cost.step_time from the profile alone (no overlap), with the collectives the "
+            "engine launched in one step (one per bucket or unit), timed on the all_reduce's fitted link "
+            f"(the one-link model): {summary('ours')}; or each on its own fitted link: {summary('links')}. "
+            f"Load average (1 min) on this {profile['cores']}-core machine: {profile['load'][0]:.1f} at the start, "
+            f"{profile['load'][1]:.1f} at the end.", "",
+            "Where it misses, and why (it predicts too little far more often than too much): (1) gloo's all_gather and the ring "
+            "reduce-scatter each cost more than half an all_reduce of the same buffer, which the one-link model "
+            "assumes (the per-op links remove most of this); (2) work the model does not count: copying "
+            "gradients into buckets, dividing by N, Python hooks, stage 3's gather/free bookkeeping; stage 2's "
+            "backward (fresh full-size gradients from autograd, copied into a bucket in its hooks) measured "
+            "10-15% slower than stage 1's (gradients accumulated into one flat buffer) even with communication off; "
+            "(3) load: with more runnable processes than cores, every "
+            "collective waits for the rank the scheduler left out, and a step has several collectives where a "
+            "probe has one, so the misses grow with the load average; N = 3 on 2 cores is the worst case, two ranks "
+            "time-sharing one core while the third has one to itself, and every collective waits for the pair."]
+    if profile["errors"]:
+        out.append("Not measured: " + "; ".join(f"{k}: {v}" for k, v in profile["errors"].items()))
+    return "\n".join(out) + "\n"
+
+
+def main(world_sizes=(2, 3, 4), *, rounds=5, profile_path=DEFAULT_PROFILE, **kwargs):
+    """Calibrate, write the profile, return the markdown table (for benchmarks/run_all.py)."""
+    profile, rows = run(world_sizes, rounds=rounds, progress=lambda s: print(s, file=sys.stderr, flush=True),
+                        **kwargs)
+    if profile_path is not None:
+        pathlib.Path(profile_path).write_text(json.dumps(profile, indent=2) + "\n")
+    return table(profile, rows)
+
+
+def cli(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_cost", description=__doc__.split("\n\n")[1])
+    ap.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3, 4])
+    ap.add_argument("--stages", nargs="+", default=list(calibrate.STAGES))
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (every probe + one step of every stage)")
+    ap.add_argument("--d-model", type=int, default=calibrate.MODEL["d_model"])
+    ap.add_argument("--layers", type=int, default=calibrate.MODEL["n_layers"])
+    ap.add_argument("--batch-size", type=int, default=calibrate.BATCH, help="sequences per rank per step")
+    ap.add_argument("--system-malloc", action="store_true", help="ranks use glibc malloc's defaults")
+    ap.add_argument("--profile", default=str(DEFAULT_PROFILE), help="where to write the profile (JSON)")
+    args = ap.parse_args(argv)
+    print(main(args.world_sizes, stages=args.stages, rounds=args.rounds, profile_path=args.profile,
+               model_kwargs=dict(calibrate.MODEL, d_model=args.d_model, n_layers=args.layers),
+               batch_size=args.batch_size, system_malloc=args.system_malloc))
+
+
+if __name__ == "__main__":
+    cli()

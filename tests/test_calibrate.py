@@ -1,0 +1,100 @@
+"""The cost-model calibration (zerolab.calibrate, benchmarks/bench_cost.py): the alpha-beta fit and the
+profile arithmetic against numbers worked by hand, and one quick end-to-end run of the script on CPU
+ranks that must write a valid profile and a predicted-vs-measured table. No timing assertions."""
+import dataclasses
+import json
+import math
+
+import pytest
+
+from zerolab import calibrate, cost
+
+
+def _fake_ranks(world_size, t_small, t_large, fwd_bwd=0.5, adam=0.01, host_adam=0.002, copy=0.004):
+    """per-rank results as zerolab.calibrate.measure returns them, with chosen probe times."""
+    info = {"psi": 1_000_000, "tokens": 100, "adam_numel": 2_000_000, "copy_bytes": 40_000_000}
+    times = {"fwd_bwd": [fwd_bwd] * 3, "adam": [adam] * 3, "host_adam": [host_adam] * 3, "copy": [copy] * 3}
+    for op, factor in (("all_reduce", 1), ("all_gather", 0.5), ("reduce_scatter", 0.75)):
+        times[f"{op} 1000"], times[f"{op} 1001000"] = [factor * t_small] * 3, [factor * t_large] * 3
+    return [{"times": times, "phases": {}, "schedule": {}, "psi": {}, "info": info, "errors": {}}
+            for _ in range(world_size)]
+
+
+def test_alpha_beta_fit_by_hand():
+    # N = 2: t(S) = 2·α + S/B. Choose α = 50 µs, B = 1 GB/s: t(1000) = 100 µs + 1 µs, t(1001000) = 100 µs + 1001 µs
+    hw, raw = calibrate.fit_hardware(_fake_ranks(2, 101e-6, 1101e-6), 2)
+    assert hw.link_bandwidth == pytest.approx(1e9)
+    assert hw.link_latency == pytest.approx(50e-6)
+    # 6·Ψ·tokens / time = 6e8 / 0.5 s; Adam 2e6 params / 10 ms; fused 2e6 / 2 ms; copy 40 MB / 4 ms
+    assert hw.peak_flops * hw.mfu == pytest.approx(1.2e9)
+    assert hw.device_adam_params_per_s == pytest.approx(2e8)
+    assert hw.host_adam_params_per_s == pytest.approx(1e9)
+    assert hw.host_link_bandwidth == pytest.approx(1e10)
+    # one-phase collectives: t(S) = α + S/(2B) at N = 2. all_gather at half the all_reduce's times is the
+    # same link; reduce_scatter at 3/4 of them: 75.75 µs and 825.75 µs -> B = 0.5e6 / 750e-6, α = 75 µs
+    links = calibrate.fit_links(raw, 2, hw)
+    assert links["all_gather"].link_bandwidth == pytest.approx(1e9)
+    assert links["all_gather"].link_latency == pytest.approx(50e-6)
+    assert links["reduce_scatter"].link_bandwidth == pytest.approx(0.5e6 / 750e-6)
+    assert links["reduce_scatter"].link_latency == pytest.approx(75e-6)
+    assert links["all_reduce"].link_bandwidth == pytest.approx(hw.link_bandwidth)
+    # N = 4: t(S) = 6·α + 1.5·S/B
+    hw4, _ = calibrate.fit_hardware(_fake_ranks(4, 6 * 20e-6 + 1.5 * 1000 / 2e9, 6 * 20e-6 + 1.5 * 1001000 / 2e9), 4)
+    assert hw4.link_bandwidth == pytest.approx(2e9)
+    assert hw4.link_latency == pytest.approx(20e-6)
+
+
+def test_slowest_rank_per_round_then_median():
+    per_rank = [{"times": {"x": [1.0, 5.0, 2.0]}}, {"times": {"x": [3.0, 1.0, 2.5]}}]
+    assert calibrate.slowest_median(per_rank, "x") == 3.0     # rounds' maxima 3, 5, 2.5 -> median 3
+
+
+def test_predict_adds_the_terms_by_hand():
+    hw = cost.Hardware("hand", 0.0, peak_flops=1e9, mfu=1.0, link_bandwidth=1e9, link_latency=1e-4,
+                       host_link_bandwidth=2e9, host_adam_params_per_s=1e7, device_adam_params_per_s=1e6)
+    psi, n = 1000, 2
+    # stage 1, fp32: compute 6·1000·100/1e9 = 0.6 ms; reduce-scatter + all-gather of 4000 B on 2 ranks,
+    # each 1 step of 100 µs + 2000 B / 1 GB/s = 102 µs; update Ψ/N = 500 params / 1e6 = 0.5 ms
+    t = calibrate.predict(psi, "1", n, hw, tokens=100)
+    assert t["total"] == pytest.approx(0.6e-3 + 2 * 102e-6 + 0.5e-3)
+    # the engine's schedule instead: three calls of 2000 B each pay their own latency
+    t = calibrate.predict(psi, "1", n, hw, tokens=100, schedule=[("reduce_scatter", 2000)] * 3)
+    assert t["comm"] == pytest.approx(3 * (100e-6 + 1000 / 1e9))
+    # ... and on their own link: 10 µs, 0.5 GB/s
+    slow = dataclasses.replace(hw, link_bandwidth=0.5e9, link_latency=1e-5)
+    t = calibrate.predict(psi, "1", n, hw, tokens=100, schedule=[("reduce_scatter", 2000), ("all_gather", 2000)],
+                          links={"reduce_scatter": slow})
+    assert t["comm"] == pytest.approx((1e-5 + 1000 / 0.5e9) + (100e-6 + 1000 / 1e9))
+    # offload: no device update; 4 B + 4 B per owned param over 2 GB/s, and 500 params at 1e7/s on the host
+    t = calibrate.predict(psi, "2+offload", n, hw, tokens=100)
+    assert t["update"] == 0 and t["offload"] == pytest.approx(8 * 500 / 2e9 + 500 / 1e7)
+
+
+def test_caching_allocator_sets_and_restores(monkeypatch):
+    import os
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    with calibrate.caching_allocator():
+        assert int(os.environ["MALLOC_MMAP_THRESHOLD_"]) == 32 << 20
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ
+
+
+def test_bench_cost_runs_and_writes_a_valid_profile(tmp_path):
+    from benchmarks import bench_cost
+    path = tmp_path / "profile.json"
+    text = bench_cost.main((2,), stages=("0", "3", "2+offload"), rounds=1, profile_path=path,
+                           model_kwargs=dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, seq_len=16))
+    profile = json.loads(path.read_text())
+    hw = calibrate.load_profile(path)[2]
+    assert isinstance(hw, cost.Hardware)
+    for field in ("peak_flops", "link_bandwidth", "host_link_bandwidth", "host_adam_params_per_s",
+                  "device_adam_params_per_s"):
+        value = getattr(hw, field)
+        assert value > 0 and math.isfinite(value), f"{field} = {value}"
+    assert hw.link_latency >= 0
+    # Ψ of the probe model: embeddings V·d + T·d, one block 12d² + 13d, final norm 2d (head tied)
+    assert profile["raw"]["2"]["psi"] == 64 * 32 + 16 * 32 + (12 * 32 * 32 + 13 * 32) + 2 * 32
+    assert not profile["errors"], profile["errors"]
+    for stage in ("0", "3", "2+offload"):
+        assert f"| 2 | {stage} |" in text, text
+    assert "within ±25%" in text
+    assert set(profile["links"]["2"]) == {"all_reduce", "all_gather", "reduce_scatter"}
