@@ -4,6 +4,8 @@ The public API, by lesson:
     00  launch, Cluster, RankError, RankTimeout, rank_device, rank_state, init_from_env; zerolab.comm
     02  initialize (the engine for every stage), DataParallel
     03  Zero1Optimizer (ZeroRedundancyOptimizer-shaped)
+    07  zerolab.cost, zerolab.calibrate, zerolab.demo (also `zerolab demo`)
+    09  engine.save_checkpoint / load_checkpoint, zerolab.checkpoint.consolidate
 """
 from zerolab.launch import (Cluster, RankError, RankTimeout, init_from_env, launch, rank_device,
                             rank_state)

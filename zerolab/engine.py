@@ -15,6 +15,8 @@ Modelled on DeepSpeed's engine so the skills transfer::
 Each stage is a subclass of :class:`Engine` in its own module (``data_parallel``, ``zero1``,
 ``zero2``, ``zero3``); :func:`initialize` validates the options once and picks the class.
 """
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -45,6 +47,7 @@ class Engine:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.last_step_comm = None
+        self.steps = 0                  # optimizer steps taken (saved and restored by checkpoints)
         self._step_log = None
         self._log_cm = None
 
@@ -73,7 +76,26 @@ class Engine:
     def step(self):
         self._open_step_log()
         self._step()
+        self.steps += 1
         self._close_step_log()
+
+    # -- checkpoints: zerolab.checkpoint does the work, for every stage -----------------------
+    def save_checkpoint(self, path, client_state=None):
+        """Write this rank's shard of the training state to the folder ``path`` (every rank must
+        call it). See :func:`zerolab.checkpoint.save`."""
+        from zerolab import checkpoint
+        return checkpoint.save(self, path, client_state=client_state)
+
+    def load_checkpoint(self, path):
+        """Load a checkpoint written by any number of ranks at any stage; returns its client_state.
+        See :func:`zerolab.checkpoint.load`."""
+        from zerolab import checkpoint
+        return checkpoint.load(self, path)
+
+    def shards(self):
+        """[(FlatParams, ShardOptimizer, i)]: the flat buffers this rank owns a shard of, with the
+        optimizer holding master i of that shard. Empty for data parallelism (nothing is sharded)."""
+        return []
 
     # -- what every stage provides ---------------------------------------------------------
     def _backward(self, loss):
@@ -133,6 +155,10 @@ def _validate(model, stage, optimizer, lr, param_dtype, offload, bucket_bytes, g
     if offload is not None and stage == 0:
         raise ValueError("offload='optimizer' needs a sharded optimizer: use stage 1, 2 or 3 "
                          "(ZeRO-Offload offloads each rank's partition)")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
+                         f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "
+                         f"owns; pass its arguments to initialize (lr=..., weight_decay=...)")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
     if stage > 0 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
@@ -154,6 +180,11 @@ def _validate(model, stage, optimizer, lr, param_dtype, offload, bucket_bytes, g
     bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
     if bad:
         raise ValueError(f"parameters must be floating point; not so: {bad}")
+    n, numel = dist.get_world_size(group), sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad)
+    if stage > 0 and n > numel:
+        warnings.warn(f"world_size={n} is more ranks than the model has trainable elements ({numel}): "
+                      f"{n - numel} rank(s) own only zero padding. Sharding cannot save memory here; "
+                      f"use fewer ranks or a larger model", UserWarning, stacklevel=3)
 
 
 def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dtype=None,
@@ -182,12 +213,16 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
 
 def check_same_model(model, group=None):
     """Raise ValueError on every rank if the model's parameter shapes or values differ between
-    ranks (a model built from different seeds would otherwise train silently wrong)."""
+    ranks (a model built from different seeds would otherwise train silently wrong). The check is
+    a few numbers per parameter tensor, reduced with MAX and MIN on the rank's device (NCCL
+    reduces only GPU tensors)."""
+    from zerolab.launch import rank_device
     with torch.no_grad():
         sig = torch.tensor([float(len(list(model.parameters())))]
                            + [float(sum(p.numel() for p in model.parameters()))]
-                           + [float(p.double().sum()) for p in model.parameters()], dtype=torch.float64)
-    n = torch.tensor([sig.numel()], dtype=torch.float64)
+                           + [float(p.double().sum()) for p in model.parameters()], dtype=torch.float64,
+                           device=rank_device())
+    n = torch.tensor([sig.numel()], dtype=torch.float64, device=rank_device())
     hi, lo = n.clone(), n.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)

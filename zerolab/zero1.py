@@ -31,10 +31,16 @@ from zerolab.engine import Engine
 from zerolab.flat import FlatParams, unique_trainable
 from zerolab.shard_optim import ShardOptimizer, master_dtype
 
-# Which reduce-scatter the engines use. On gloo, torch's reduce_scatter is emulated with a full
+# Which reduce-scatter the engines use on gloo. There torch's reduce_scatter is emulated with a full
 # all-reduce (2x the bytes); lesson 00's ring from send/recv sends (N-1)/N and measured faster here
-# for large buffers (lesson 04 and benchmarks/bench_zero12.py show both). Set engine.reduce_impl.
+# for large buffers (lesson 04 and benchmarks/bench_zero12.py show both). NCCL has a real one, so on
+# GPUs the engines use torch's (see default_reduce_impl). Set engine.reduce_impl to override.
 REDUCE_SCATTER_IMPL = "ring"
+
+
+def default_reduce_impl(group=None):
+    """'torch' on NCCL (a native reduce-scatter), else REDUCE_SCATTER_IMPL (the ring, on gloo)."""
+    return "torch" if dist.get_backend(group) == "nccl" else REDUCE_SCATTER_IMPL
 
 
 def gather_full(flat, shard, group=None):
@@ -57,9 +63,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_class, *, param_dtype=None, group=None, master_device=None,
-                 reduce_impl=REDUCE_SCATTER_IMPL, **defaults):
+                 reduce_impl=None, **defaults):
         self.optimizer_class, self.param_dtype, self.group = optimizer_class, param_dtype, group
-        self.master_device, self.reduce_impl = master_device, reduce_impl
+        self.master_device, self.reduce_impl = master_device, reduce_impl or default_reduce_impl(group)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.flats, self.grad_buffers, self.shard_optims = [], [], []  # one of each per param group
         self._reduced = False
@@ -249,6 +255,9 @@ class Zero1Engine(ShardedEngine):
 
     def full_state_dict(self):
         return self._full_state([f for f, _, _ in self.optimizer._groups()], self.optimizer.full_fp32())
+
+    def shards(self):
+        return [(f, s, 0) for f, _, s in self.optimizer._groups()]   # one flat buffer per param group
 
     def state_tensors(self):
         return dict(self.optimizer.state_tensors(), frozen=self.frozen)

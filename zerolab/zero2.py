@@ -31,7 +31,7 @@ import torch
 from zerolab import comm
 from zerolab.flat import FlatParams
 from zerolab.shard_optim import ShardOptimizer, master_dtype
-from zerolab.zero1 import REDUCE_SCATTER_IMPL, ShardedEngine, gather_full
+from zerolab.zero1 import ShardedEngine, default_reduce_impl, gather_full
 
 
 def make_buckets(params, bucket_bytes, dtype):
@@ -63,7 +63,7 @@ class Zero2Engine(ShardedEngine):
     def __init__(self, module, **options):
         super().__init__(module, **options)
         trainable = self._prepare()
-        self.reduce_impl = REDUCE_SCATTER_IMPL
+        self.reduce_impl = default_reduce_impl(self.group)
         originals = {id(p): p.detach() for p in trainable}       # exact values, before any cast
         self.buckets = [FlatParams(ps, self.world_size, self.rank, dtype=self.param_dtype)
                         for ps in make_buckets(trainable[::-1], self.bucket_bytes, self.compute_dtype)]
@@ -186,6 +186,9 @@ class Zero2Engine(ShardedEngine):
         else:
             fulls = [gather_full(b, m, self.group) for b, m in zip(self.buckets, self.shard_optim.master)]
         return self._full_state(self.buckets, fulls)
+
+    def shards(self):
+        return [(b, self.shard_optim, i) for i, b in enumerate(self.buckets)]   # one per bucket
 
     def state_tensors(self):
         st = self.shard_optim.state_tensors()

@@ -37,7 +37,7 @@ from zerolab import comm
 from zerolab.flat import FlatParams
 from zerolab.shard_optim import ShardOptimizer, master_dtype
 from zerolab.timeline import maybe_span
-from zerolab.zero1 import REDUCE_SCATTER_IMPL, ShardedEngine, gather_full
+from zerolab.zero1 import ShardedEngine, default_reduce_impl, gather_full
 
 FREE, GATHERING, READY = "free", "gathering", "ready"
 OPTIONS = ("units", "prefetch", "persist_numel", "ops")   # stage-3 options, via initialize(**kwargs)
@@ -126,7 +126,7 @@ class Zero3Engine(ShardedEngine):
         if isinstance(self.persist_numel, bool) or not isinstance(self.persist_numel, int) or self.persist_numel < 0:
             raise ValueError(f"persist_numel must be an int >= 0, got {self.persist_numel!r}")
         trainable = self._prepare()
-        self.reduce_impl, self.timeline, self.memory_trace = REDUCE_SCATTER_IMPL, None, []
+        self.reduce_impl, self.timeline, self.memory_trace = default_reduce_impl(self.group), None, []
         originals = {id(p): p.detach() for p in trainable}      # exact values, before any cast
         self.units = self._build_units(extra.get("units"), trainable)
         # This rank's averaged gradient shard per unit (2Ψ/N bytes in bf16): created as the unit's
@@ -387,6 +387,9 @@ class Zero3Engine(ShardedEngine):
                    for i, u in enumerate(self.units)]
         return self._full_state([u.flat for u in self.units],
                                 [gather_full(u.flat, s, self.group) for u, s in zip(self.units, sources)])
+
+    def shards(self):
+        return [(u.flat, self.shard_optim, i) for i, u in enumerate(self.units)]   # one per unit
 
     def state_tensors(self):
         st = self.shard_optim.state_tensors()

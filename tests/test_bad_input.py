@@ -1,0 +1,129 @@
+"""Bad input gets a clear message naming the problem, on every rank, before any training step; never
+a hang. (The launcher's own refusals: world_size, nccl without GPUs, unpicklable functions, are in
+test_launch.py; damaged checkpoints in test_checkpoint.py.)"""
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab
+from zerolab import models
+
+
+class WithIntegerState(torch.nn.Module):
+    """A model with integer and boolean BUFFERS (fine: they are state, not trained)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = models.build("mlp", seed=0)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("mask", torch.tensor([True, False, True, True, False]))
+
+    def forward(self, x, y):
+        self.seen += x.shape[0]
+        return ((self.net(x) - y)[:, self.mask] ** 2).mean()
+
+
+class TwoElements(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _message(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def _initialize_refusals():
+    mlp = lambda: models.build("mlp", seed=0)
+    frozen = mlp().requires_grad_(False)
+    with_int_param = mlp()
+    with_int_param.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64),
+                                                                  requires_grad=False))
+    cases = {
+        "stage": lambda: zerolab.initialize(mlp(), stage=4),
+        "offload name": lambda: zerolab.initialize(mlp(), stage=2, offload="nvme"),
+        "offload at stage 0": lambda: zerolab.initialize(mlp(), stage=0, offload="optimizer"),
+        "optimizer": lambda: zerolab.initialize(mlp(), stage=2, optimizer=torch.optim.LBFGS),
+        "optimizer instance": lambda: zerolab.initialize(mlp(), optimizer=torch.optim.AdamW(mlp().parameters())),
+        "no trainable": lambda: zerolab.initialize(frozen, stage=1),
+        "int parameter": lambda: zerolab.initialize(with_int_param, stage=1),
+        "param_dtype": lambda: zerolab.initialize(mlp(), param_dtype=torch.int8),
+        "lr": lambda: zerolab.initialize(mlp(), lr=-1),
+        "not a module": lambda: zerolab.initialize(lambda x: x),
+        "differs across ranks": lambda: zerolab.initialize(models.build("mlp", seed=dist.get_rank()), stage=2),
+    }
+    return {name: _message(case) for name, case in cases.items()}
+
+
+def test_initialize_refuses_bad_options_with_a_clear_message(clusters):
+    per_rank = clusters(2).run(_initialize_refusals)
+    assert per_rank[0] == per_rank[1]          # every rank raises the same error: nobody waits forever
+    got = per_rank[0]
+    expected = {
+        "stage": "stage=4 is not supported: choose one of (0, 1, 2, 3)",
+        "offload name": "offload='nvme' is not supported",
+        "offload at stage 0": "needs a sharded optimizer: use stage 1, 2 or 3",
+        "optimizer": "exact only for elementwise optimizers (SGD, Adam, AdamW); got LBFGS",
+        "optimizer instance": "not an instance (AdamW): the engine builds it over what this rank owns",
+        "no trainable": "no trainable parameters",
+        "int parameter": "parameters must be floating point; not so: ['count']",
+        "param_dtype": "param_dtype=torch.int8 is not supported",
+        "lr": "lr must be a positive number, got -1",
+        "not a module": "model must be a torch.nn.Module",
+        "differs across ranks": "the model differs across ranks",
+    }
+    for name, text in expected.items():
+        assert got[name].startswith("ValueError") and text in got[name], f"{name}: {got[name]}"
+    assert "['inp.weight', 'inp.bias'" in got["differs across ranks"]     # names the parameters
+
+
+def _warns_for_more_ranks_than_elements():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = zerolab.initialize(TwoElements(), stage=3, lr=0.1)
+        engine.backward(engine(torch.ones(2)))
+        engine.step()
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)], engine.full_state_dict()["w"]
+
+
+def test_more_ranks_than_elements_warns_and_still_trains(clusters):
+    messages, w = clusters(4).run(_warns_for_more_ranks_than_elements)[0]
+    assert any("world_size=4 is more ranks than the model has trainable elements (2)" in m for m in messages), messages
+    # AdamW's first step moves every element by lr against the sign of its gradient (+1 here)
+    torch.testing.assert_close(w, torch.tensor([1.0, 2.0]) * (1 - 0.1 * 0.01) - 0.1)
+
+
+def _integer_buffers(stage, path):
+    model = WithIntegerState()
+    engine = zerolab.initialize(model, stage=stage, lr=1e-2)
+    for step in range(2):
+        x, y = models.batch("mlp", seed=10 * step + dist.get_rank(), batch_size=4)
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+    engine.save_checkpoint(path)
+    fresh = WithIntegerState()
+    zerolab.initialize(fresh, stage=1, lr=1e-2).load_checkpoint(path)
+    return model.seen.item(), fresh.seen.item(), fresh.mask.tolist(), fresh.seen.dtype, fresh.mask.dtype
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_integer_and_boolean_buffers_are_kept_and_checkpointed(clusters, tmp_path, stage):
+    for seen, restored, mask, seen_dtype, mask_dtype in clusters(2).run(_integer_buffers, stage, str(tmp_path)):
+        assert seen == restored == 8 and mask == [True, False, True, True, False]
+        assert (seen_dtype, mask_dtype) == (torch.int64, torch.bool)
+
+
+def test_cluster_refuses_a_bad_world_size():
+    for bad in (0, -2, 1.5, "2"):
+        with pytest.raises(ValueError, match="world_size must be a positive int"):
+            zerolab.Cluster(bad)

@@ -1,0 +1,262 @@
+"""Checkpoints, resharding and recovery from faults, against independent references: one process
+training on the global batch (computed here, in the test process, with a plain torch optimizer),
+and the same engine trained without interruption. float64 where exactness matters."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zerolab
+from zerolab import checkpoint, models
+from zerolab.checkpoint import CheckpointError
+
+GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=8)
+GLOBAL_BATCH = 12           # split evenly over 1, 2, 3 or 4 ranks
+LR = 1e-2
+EXACT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _batch(step, model, rank, world_size):
+    """Rank ``rank``'s share of step ``step``'s global batch: the same data whatever N is."""
+    x, y = models.batch("gpt", seed=100 + step, batch_size=GLOBAL_BATCH, model=model)
+    rows = GLOBAL_BATCH // world_size
+    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+
+
+def reference(steps):
+    """ONE process, no communication: AdamW on each step's global batch. {step: state dict}."""
+    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = {}
+    for step in range(max(steps)):
+        opt.zero_grad()
+        model(*_batch(step, model, 0, 1)).backward()
+        opt.step()
+        if step + 1 in steps:
+            out[step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _spec(spec):
+    stage, _, offload = str(spec).partition("+")
+    return int(stage), ("optimizer" if offload else None)
+
+
+def train(spec, until, *, load=None, save_at=None, path=None, dtype=torch.float64, param_dtype=None,
+          fault=None):
+    """On every rank: build, optionally load ``load``, train up to step ``until`` (saving to ``path``
+    after step ``save_at``), return the full state dict. ``fault=(step, rank, kind)`` misbehaves."""
+    stage, offload = _spec(spec)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = models.build("gpt", seed=0, dtype=dtype, **GPT)
+    engine = zerolab.initialize(model, stage=stage, offload=offload, lr=LR, param_dtype=param_dtype)
+    if load:
+        client = engine.load_checkpoint(load)
+        assert client == {"data_position": engine.steps}, client
+    for step in range(engine.steps, until):
+        x, y = _batch(step, model, rank, n)
+        if fault and fault[:2] == (step, rank):
+            if fault[2] == "raise":
+                raise RuntimeError(f"injected failure at step {step}")
+            if fault[2] == "kill":                      # the others are in the forward/backward
+                os.kill(os.getpid(), signal.SIGKILL)    # collectives when this lands
+            if fault[2] == "skip":
+                return "skipped"                        # never joins this step's collectives
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.zero_grad()
+        if save_at == step + 1:
+            engine.save_checkpoint(path, client_state={"data_position": step + 1})
+    return engine.full_state_dict()
+
+
+def _assert_state(results, expected, what, exact=False):
+    for rank, got in enumerate(results):
+        assert sorted(got) == sorted(expected), f"{what}: parameter names differ"
+        for name in expected:
+            if exact:
+                assert torch.equal(got[name], expected[name]), f"rank {rank}, {what}, {name}: not bit-identical"
+            else:
+                torch.testing.assert_close(got[name], expected[name], **EXACT,
+                                           msg=lambda m: f"rank {rank}, {what}, {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference((5, 10))
+
+
+def test_save_4_ranks_stage3_resume_2_ranks_stage1(clusters, ref, tmp_path):
+    """The issue's case: save at step 5 on 4 ranks at stage 3, resume on 2 ranks at stage 1, compare
+    at step 10 with one process that never stopped; and the consolidated checkpoint is step 5's."""
+    path = str(tmp_path / "ckpt")
+    _assert_state(clusters(4).run(train, 3, 5, save_at=5, path=path), ref[5], "4 ranks stage 3, step 5")
+    meta = checkpoint.read_metadata(path)
+    assert (meta["stage"], meta["world_size"], meta["steps"]) == (3, 4, 5)
+    assert len(meta["files"]) == 4 and all(len(f["sha256"]) == 64 for f in meta["files"])
+    tied = {"head.weight": ref[5]["tok.weight"]}      # the state dict names both ends of a tied weight
+    _assert_state([checkpoint.consolidate(path)], dict(ref[5], **tied), "consolidated, no process group")
+    _assert_state(clusters(2).run(train, 1, 10, load=path), ref[10], "2 ranks stage 1 from the checkpoint, step 10")
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, "0"), (3, "2")), ((3, "2+offload"), (4, "0")),
+                                            ((1, "1"), (2, "3+offload")), ((4, "1+offload"), (1, "3"))])
+def test_any_world_size_and_stage_to_any_other(clusters, ref, tmp_path, saved, resumed):
+    path = str(tmp_path / "ckpt")
+    clusters(saved[0]).run(train, saved[1], 5, save_at=5, path=path)
+    _assert_state(clusters(resumed[0]).run(train, resumed[1], 10, load=path), ref[10],
+                  f"saved {saved}, resumed {resumed}, step 10")
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("spec", ["0", "1", "2", "3", "1+offload", "2+offload", "3+offload"])
+def test_resume_on_the_same_ranks_is_bit_identical(clusters, tmp_path, spec, param_dtype):
+    """Same configuration: stopping and resuming must not change a single bit (fp32 masters and
+    the optimizer state are restored exactly; the compute copies are re-derived from them)."""
+    path = str(tmp_path / "ckpt")
+    kw = dict(dtype=torch.float32, param_dtype=param_dtype)
+    straight = clusters(2).run(train, spec, 6, **kw)
+    clusters(2).run(train, spec, 3, save_at=3, path=path, **kw)
+    _assert_state(clusters(2).run(train, spec, 6, load=path, **kw), straight[0], f"stage {spec}", exact=True)
+
+
+def test_consolidated_state_loads_into_the_plain_model(clusters, tmp_path, capsys):
+    path = tmp_path / "ckpt"
+    clusters(2).run(train, "2", 2, save_at=2, path=str(path))
+    state = checkpoint.consolidate(path)
+    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
+    model.load_state_dict(state)                       # strict: every name, tied ones included
+    assert model.tok.weight is model.head.weight and torch.equal(model.head.weight, state["tok.weight"])
+    out = tmp_path / "model.pt"
+    assert checkpoint.main([str(path), str(out)]) == 0
+    assert "stage 2 on 2 ranks at step 2" in capsys.readouterr().out
+    assert all(torch.equal(torch.load(out)[k], v) for k, v in state.items())
+
+
+# -- damaged checkpoints: a clear error naming the file, never a partial load --------------------
+@pytest.fixture(scope="module")
+def saved(clusters, tmp_path_factory):
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
+    clusters(2).run(train, "3", 2, save_at=2, path=str(path))
+    return path
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst, checkpoint.read_metadata(dst)["files"]
+
+
+def test_missing_truncated_or_altered_shard_is_named(saved, tmp_path):
+    path, files = _copy(saved, tmp_path / "missing")
+    (path / files[1]["name"]).unlink()
+    with pytest.raises(CheckpointError, match=rf"{files[1]['name']} \(rank 1's shard\) is missing"):
+        checkpoint.consolidate(path)
+
+    path, files = _copy(saved, tmp_path / "truncated")
+    shard = path / files[0]["name"]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{files[0]['name']} is truncated"):
+        checkpoint.consolidate(path)
+
+    path, files = _copy(saved, tmp_path / "altered")
+    shard = path / files[1]["name"]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                       # same size, one byte flipped
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{files[1]['name']} does not match its SHA-256"):
+        checkpoint.consolidate(path)
+
+    with pytest.raises(CheckpointError, match="metadata.json not found"):
+        checkpoint.consolidate(tmp_path / "nothing here")
+
+
+def _load_into(path, **build):
+    model = models.build("gpt", seed=0, dtype=torch.float64, **dict(GPT, **build))
+    engine = zerolab.initialize(model, stage=1, lr=LR)
+    try:
+        engine.load_checkpoint(path)
+    except CheckpointError as exc:
+        return str(exc)
+
+
+def _load_with_sgd(path):
+    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
+    engine = zerolab.initialize(model, stage=1, lr=LR, optimizer=torch.optim.SGD)
+    try:
+        engine.load_checkpoint(path)
+    except CheckpointError as exc:
+        return str(exc)
+
+
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused(clusters, saved):
+    msg = clusters(2).run(_load_into, str(saved), d_model=16)[0]
+    assert "shapes differ" in msg and "tok.weight" in msg
+    msg = clusters(2).run(_load_into, str(saved), n_layers=3)[0]
+    assert "saved from another model" in msg and "blocks.2." in msg
+    assert "holds AdamW state; this engine uses SGD" in clusters(2).run(_load_with_sgd, str(saved))[0]
+
+
+def _save_that_crashes_before_its_metadata(path):
+    """Train 2 more steps, then save, failing on rank 0 just before the commit (metadata) rename."""
+    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
+    engine = zerolab.initialize(model, stage=2, lr=LR)
+    engine.load_checkpoint(path)
+    for step in range(engine.steps, engine.steps + 2):
+        engine.backward(engine(*_batch(step, model, dist.get_rank(), dist.get_world_size())))
+        engine.step()
+        engine.zero_grad()
+    write = checkpoint._atomic_write
+
+    def crash_at_commit(file, data):
+        if file.name == checkpoint.METADATA:
+            raise OSError("disk full (injected)")
+        write(file, data)
+    checkpoint._atomic_write = crash_at_commit
+    engine.save_checkpoint(path, client_state={"data_position": engine.steps})
+
+
+def test_a_crash_during_save_leaves_the_last_good_checkpoint(clusters, ref, tmp_path):
+    path = tmp_path / "ckpt"
+    cluster = zerolab.Cluster(2, timeout=20)
+    try:
+        cluster.run(train, "2", 5, save_at=5, path=str(path))
+        before = sorted(p.name for p in path.iterdir())
+        with pytest.raises(zerolab.RankError, match="rank 0 raised OSError: disk full"):
+            cluster.run(_save_that_crashes_before_its_metadata, str(path))
+        assert len(list(path.iterdir())) > len(before)      # the new shards were written ...
+        _assert_state([checkpoint.consolidate(path)], dict(ref[5], **{"head.weight": ref[5]["tok.weight"]}),
+                      "after the crash")                   # ... and ignored
+        _assert_state(cluster.run(train, "2", 10, load=str(path), save_at=10, path=str(path)), ref[10],
+                      "resumed after the crash")
+        assert len(list(path.iterdir())) == len(before)     # the next save removed the strays
+    finally:
+        cluster.close()
+
+
+# -- faults: the error names the rank within the timeout; the cluster resumes from the checkpoint --
+@pytest.mark.parametrize("kind", ["raise", "kill", "skip"])
+def test_fault_is_named_and_training_resumes_from_the_checkpoint(ref, tmp_path, kind):
+    path = str(tmp_path / "ckpt")
+    cluster = zerolab.Cluster(2, timeout=8)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(zerolab.RankError) as info:
+            cluster.run(train, "3", 10, save_at=5, path=path, fault=(7, 1, kind))
+        assert time.monotonic() - t0 < 8 + 15          # the timeout, plus start-up and steps
+        message = str(info.value)
+        if kind == "raise":
+            assert info.value.ranks == [1] and "rank 1 raised RuntimeError: injected failure at step 7" in message
+        elif kind == "kill":
+            assert info.value.ranks[0] == 1 and message.startswith("rank 1 died (SIGKILL)"), message
+        else:                                           # rank 1 returned; rank 0 waits in a collective
+            assert isinstance(info.value, zerolab.RankTimeout)
+            assert info.value.ranks == [0] and "rank 0 did not finish within 8 s (rank 1 finished)" in message
+        assert checkpoint.read_metadata(path)["steps"] == 5
+        _assert_state(cluster.run(train, "3", 10, load=path), ref[10], f"resumed after '{kind}'")
+    finally:
+        cluster.close()
