@@ -210,7 +210,10 @@ def main(argv=None):
     ap.add_argument("--out", default="demo-output", help="folder for the figures")
     args = ap.parse_args(argv)
     for spec in args.stages:
-        parse_stage(spec)
+        try:
+            parse_stage(spec)
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.world_size < 1 or args.steps < 1:
         ap.error("--world-size and --steps must be at least 1")
     device = "one GPU per rank (nccl)" if torch.cuda.device_count() >= args.world_size else "CPU (gloo): no GPU per rank here"
