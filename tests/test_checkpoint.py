@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab
+from helpers import assert_params
 from zerolab import checkpoint, models
 from zerolab.checkpoint import CheckpointError
 
@@ -17,6 +18,10 @@ GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=8)
 GLOBAL_BATCH = 12           # split evenly over 1, 2, 3 or 4 ranks
 LR = 1e-2
 EXACT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _check(results, expected, what, exact=False):
+    assert_params(results, expected, what, exact=exact, **({} if exact else EXACT))
 
 
 def _batch(step, model, rank, world_size):
@@ -73,17 +78,6 @@ def train(spec, until, *, load=None, save_at=None, path=None, dtype=torch.float6
     return engine.full_state_dict()
 
 
-def _assert_state(results, expected, what, exact=False):
-    for rank, got in enumerate(results):
-        assert sorted(got) == sorted(expected), f"{what}: parameter names differ"
-        for name in expected:
-            if exact:
-                assert torch.equal(got[name], expected[name]), f"rank {rank}, {what}, {name}: not bit-identical"
-            else:
-                torch.testing.assert_close(got[name], expected[name], **EXACT,
-                                           msg=lambda m: f"rank {rank}, {what}, {name}: {m}")
-
-
 @pytest.fixture(scope="module")
 def ref():
     return reference((5, 10))
@@ -93,13 +87,13 @@ def test_save_4_ranks_stage3_resume_2_ranks_stage1(clusters, ref, tmp_path):
     """The issue's case: save at step 5 on 4 ranks at stage 3, resume on 2 ranks at stage 1, compare
     at step 10 with one process that never stopped; and the consolidated checkpoint is step 5's."""
     path = str(tmp_path / "ckpt")
-    _assert_state(clusters(4).run(train, 3, 5, save_at=5, path=path), ref[5], "4 ranks stage 3, step 5")
+    _check(clusters(4).run(train, 3, 5, save_at=5, path=path), ref[5], "4 ranks stage 3, step 5")
     meta = checkpoint.read_metadata(path)
     assert (meta["stage"], meta["world_size"], meta["steps"]) == (3, 4, 5)
     assert len(meta["files"]) == 4 and all(len(f["sha256"]) == 64 for f in meta["files"])
     tied = {"head.weight": ref[5]["tok.weight"]}      # the state dict names both ends of a tied weight
-    _assert_state([checkpoint.consolidate(path)], dict(ref[5], **tied), "consolidated, no process group")
-    _assert_state(clusters(2).run(train, 1, 10, load=path), ref[10], "2 ranks stage 1 from the checkpoint, step 10")
+    _check([checkpoint.consolidate(path)], dict(ref[5], **tied), "consolidated, no process group")
+    _check(clusters(2).run(train, 1, 10, load=path), ref[10], "2 ranks stage 1 from the checkpoint, step 10")
 
 
 @pytest.mark.parametrize("saved, resumed", [((2, "0"), (3, "2")), ((3, "2+offload"), (4, "0")),
@@ -107,7 +101,7 @@ def test_save_4_ranks_stage3_resume_2_ranks_stage1(clusters, ref, tmp_path):
 def test_any_world_size_and_stage_to_any_other(clusters, ref, tmp_path, saved, resumed):
     path = str(tmp_path / "ckpt")
     clusters(saved[0]).run(train, saved[1], 5, save_at=5, path=path)
-    _assert_state(clusters(resumed[0]).run(train, resumed[1], 10, load=path), ref[10],
+    _check(clusters(resumed[0]).run(train, resumed[1], 10, load=path), ref[10],
                   f"saved {saved}, resumed {resumed}, step 10")
 
 
@@ -120,7 +114,7 @@ def test_resume_on_the_same_ranks_is_bit_identical(clusters, tmp_path, spec, par
     kw = dict(dtype=torch.float32, param_dtype=param_dtype)
     straight = clusters(2).run(train, spec, 6, **kw)
     clusters(2).run(train, spec, 3, save_at=3, path=path, **kw)
-    _assert_state(clusters(2).run(train, spec, 6, load=path, **kw), straight[0], f"stage {spec}", exact=True)
+    _check(clusters(2).run(train, spec, 6, load=path, **kw), straight[0], f"stage {spec}", exact=True)
 
 
 def test_consolidated_state_loads_into_the_plain_model(clusters, tmp_path, capsys):
@@ -229,9 +223,9 @@ def test_a_crash_during_save_leaves_the_last_good_checkpoint(clusters, ref, tmp_
         with pytest.raises(zerolab.RankError, match="rank 0 raised OSError: disk full"):
             cluster.run(_save_that_crashes_before_its_metadata, str(path))
         assert len(list(path.iterdir())) > len(before)      # the new shards were written ...
-        _assert_state([checkpoint.consolidate(path)], dict(ref[5], **{"head.weight": ref[5]["tok.weight"]}),
+        _check([checkpoint.consolidate(path)], dict(ref[5], **{"head.weight": ref[5]["tok.weight"]}),
                       "after the crash")                   # ... and ignored
-        _assert_state(cluster.run(train, "2", 10, load=str(path), save_at=10, path=str(path)), ref[10],
+        _check(cluster.run(train, "2", 10, load=str(path), save_at=10, path=str(path)), ref[10],
                       "resumed after the crash")
         assert len(list(path.iterdir())) == len(before)     # the next save removed the strays
     finally:
@@ -257,6 +251,6 @@ def test_fault_is_named_and_training_resumes_from_the_checkpoint(ref, tmp_path, 
             assert isinstance(info.value, zerolab.RankTimeout)
             assert info.value.ranks == [0] and "rank 0 did not finish within 8 s (rank 1 finished)" in message
         assert checkpoint.read_metadata(path)["steps"] == 5
-        _assert_state(cluster.run(train, "3", 10, load=path), ref[10], f"resumed after '{kind}'")
+        _check(cluster.run(train, "3", 10, load=path), ref[10], f"resumed after '{kind}'")
     finally:
         cluster.close()

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import assert_params
 from zerolab import models
 
 STEPS = 2
@@ -53,16 +54,6 @@ def train(name, dtype=torch.float64, *, stage=3, accum=1, param_dtype=None, opti
     return engine.full_state_dict()
 
 
-def _assert_params(results, expected, what, **tol):
-    for rank, got in enumerate(results):
-        assert list(got) == list(expected), f"{what}: parameter names differ"
-        for n in expected:
-            try:
-                torch.testing.assert_close(got[n], expected[n], **tol)
-            except AssertionError as exc:
-                raise AssertionError(f"rank {rank}, {what}, parameter {n}: {exc}") from None
-
-
 EXACT = dict(rtol=1e-10, atol=1e-12)
 
 
@@ -71,9 +62,9 @@ def test_float64_equals_single_process_and_stage0(clusters, world_size):
     for name in ("gpt", "mlp"):      # tied weights; frozen layer + a module called twice
         expected = reference(name, world_size)
         got = clusters(world_size).run(train, name)
-        _assert_params(got, expected, f"{name} stage 3 vs single process", **EXACT)
+        assert_params(got, expected, f"{name} stage 3 vs single process", **EXACT)
         dp = clusters(world_size).run(train, name, stage=0)
-        _assert_params(got, dp[0], f"{name} stage 3 vs stage 0", **EXACT)
+        assert_params(got, dp[0], f"{name} stage 3 vs stage 0", **EXACT)
 
 
 @pytest.mark.parametrize("options", [dict(prefetch=False), dict(reduce_impl="torch"),
@@ -83,13 +74,13 @@ def test_float64_variants(clusters, options):
     accum = options.get("accum", 1)
     for name in ("gpt", "mlp"):
         got = clusters(3).run(train, name, **options)
-        _assert_params(got, reference(name, 3, accum=accum), f"{name} {options}", **EXACT)
+        assert_params(got, reference(name, 3, accum=accum), f"{name} {options}", **EXACT)
 
 
 def test_float32_tight(clusters):
     for name in ("gpt", "mlp"):
         got = clusters(2).run(train, name, torch.float32)
-        _assert_params(got, reference(name, 2, dtype=torch.float32), f"{name} float32")
+        assert_params(got, reference(name, 2, dtype=torch.float32), f"{name} float32")
 
 
 def test_mixed_precision_bf16(clusters):
@@ -309,5 +300,5 @@ def _fsdp2(name):
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_float64_equals_fsdp2(clusters, name):
     fsdp2 = clusters(2).run(_fsdp2, name)
-    _assert_params(fsdp2, reference(name, 2), f"{name} FSDP2 vs single process", **EXACT)
-    _assert_params(clusters(2).run(train, name), fsdp2[0], f"{name} stage 3 vs FSDP2", **EXACT)
+    assert_params(fsdp2, reference(name, 2), f"{name} FSDP2 vs single process", **EXACT)
+    assert_params(clusters(2).run(train, name), fsdp2[0], f"{name} stage 3 vs FSDP2", **EXACT)

@@ -15,7 +15,7 @@ for path in sys.argv[1:]:
     t0 = time.time()
     nb = nbformat.read(path, as_version=4)
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    NotebookClient(nb, timeout=900, kernel_name="python3",
+    NotebookClient(nb, timeout=900, kernel_name="python3", record_timing=False,
                    resources={"metadata": {"path": "notebooks"}}).execute()
     nbformat.write(nb, path)
     print(f"{path}: executed in {time.time() - t0:.0f} s")

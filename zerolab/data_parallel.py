@@ -372,8 +372,12 @@ class DataParallelEngine(Engine):
                 for n, p in self.module.named_parameters()}
 
     def state_tensors(self):
+        """The same conventions as the ZeRO stages: frozen parameters under their own kind, and only
+        per-element optimizer state (Adam's 0-dim step counters are not per-parameter memory)."""
         grads = ([b.buffer for b in self.ddp.sync.buckets] if self.ddp.sync is not None
                  else [p.grad for p in self._trainable])
-        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-        return {"params": list(self.module.parameters()), "grads": grads, "optimizer": opt,
-                "master": list(self.masters or [])}
+        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        trainable = {id(p) for p in self._trainable}
+        frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable]
+        return {"params": list(self._trainable), "grads": grads, "optimizer": opt,
+                "master": list(self.masters or []), "frozen": frozen}
