@@ -19,6 +19,7 @@ class WithIntegerState(torch.nn.Module):
         self.net = models.build("mlp", seed=0)
         self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
         self.register_buffer("mask", torch.tensor([True, False, True, True, False]))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)   # not in a state dict
 
     def forward(self, x, y):
         self.seen += x.shape[0]
@@ -121,6 +122,10 @@ def test_integer_and_boolean_buffers_are_kept_and_checkpointed(clusters, tmp_pat
     for seen, restored, mask, seen_dtype, mask_dtype in clusters(2).run(_integer_buffers, stage, str(tmp_path)):
         assert seen == restored == 8 and mask == [True, False, True, True, False]
         assert (seen_dtype, mask_dtype) == (torch.int64, torch.bool)
+    from zerolab import checkpoint
+    plain = WithIntegerState()
+    plain.load_state_dict(checkpoint.consolidate(tmp_path))      # strict: no non-persistent buffer
+    assert plain.seen.item() == 8
 
 
 def test_cluster_refuses_a_bad_world_size():

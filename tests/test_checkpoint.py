@@ -117,6 +117,71 @@ def test_resume_on_the_same_ranks_is_bit_identical(clusters, tmp_path, spec, par
     _check(clusters(2).run(train, spec, 6, load=path, **kw), straight[0], f"stage {spec}", exact=True)
 
 
+def _rewind(spec, options, path):
+    """Train to step 6 saving after step 3, then load step 3 INTO THE SAME ENGINE (its optimizer
+    state exists; stage 3's kept units are gathered) and train to 6 again. Returns both results."""
+    stage, offload = _spec(spec)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = models.build("gpt", seed=0, **GPT)
+    engine = zerolab.initialize(model, stage=stage, offload=offload, lr=LR, **options)
+
+    def run(until, save_at=None):
+        for step in range(engine.steps, until):
+            engine.backward(engine(*_batch(step, model, rank, n)))
+            engine.step()
+            engine.zero_grad()
+            if engine.steps == save_at:
+                engine.save_checkpoint(path)
+    run(6, save_at=3)
+    straight = engine.full_state_dict()
+    with torch.no_grad():                               # an evaluation: stage 3 gathers its kept units
+        engine(*_batch(0, model, rank, n))
+    engine.load_checkpoint(path)
+    assert engine.steps == 3
+    run(6)
+    return straight, engine.full_state_dict()
+
+
+@pytest.mark.parametrize("spec, options", [("0", {}), ("1", {}), ("2", {}), ("3", {}), ("2+offload", {}),
+                                           ("3", {"persist_numel": 10 ** 9})], ids=str)
+def test_loading_into_a_trained_engine_rewinds_it_exactly(clusters, tmp_path, spec, options):
+    for rank, (straight, rewound) in enumerate(clusters(2).run(_rewind, spec, options, str(tmp_path))):
+        assert_params([rewound], straight, f"rank {rank}, stage {spec} {options}, rewound to 3", exact=True)
+
+
+def _load_during_delayed_update(path):
+    """Offload with the delayed parameter update: a host update still running in the background
+    when load() is called must not overwrite the loaded state afterwards."""
+    model = models.build("gpt", seed=0, **GPT)
+    engine = zerolab.initialize(model, stage=2, offload="optimizer", lr=LR)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        engine.backward(engine(*_batch(step, model, rank, n)))
+        engine.step()
+        engine.zero_grad()
+    engine.save_checkpoint(path, client_state={"data_position": 2})
+    saved = engine.full_state_dict()
+    engine.delayed_update = True
+    inner = engine.shard_optim.optimizer
+    slow_step = inner.step
+
+    def slow(*args, **kwargs):                          # the host update takes a while
+        time.sleep(1.0)
+        return slow_step(*args, **kwargs)
+    inner.step = slow
+    engine.backward(engine(*_batch(2, model, rank, n)))
+    engine.step()                                       # returns at once; the update runs on
+    engine.load_checkpoint(path)
+    time.sleep(1.5)                                     # a late update would land by now
+    return saved, engine.full_state_dict(), engine.steps
+
+
+def test_load_waits_for_a_delayed_host_update(clusters, tmp_path):
+    for rank, (saved, loaded, steps) in enumerate(clusters(2).run(_load_during_delayed_update, str(tmp_path))):
+        assert steps == 2
+        assert_params([loaded], saved, f"rank {rank}: loaded during a delayed update", exact=True)
+
+
 def test_consolidated_state_loads_into_the_plain_model(clusters, tmp_path, capsys):
     path = tmp_path / "ckpt"
     clusters(2).run(train, "2", 2, save_at=2, path=str(path))

@@ -1,5 +1,6 @@
 """Sharded checkpoints for every stage: save on N ranks, load on M ranks at any stage, or
 consolidate into one plain state dict (DeepSpeed's ``zero_to_fp32``) without a process group.
+One writer per folder: two jobs saving into the same folder at once would remove each other's files.
 
     engine.save_checkpoint("ckpt")                  # every rank, between steps
     engine.load_checkpoint("ckpt")                  # any world size, any stage
@@ -11,7 +12,8 @@ contiguous slice of a flat buffer (:mod:`zerolab.flat`), which may cut parameter
 offset means nothing to a run with another world size or stage, so the file stores every owned
 element range as (parameter name, first element, last element + 1) with its fp32 master values and
 its optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``). Together the N files cover every element
-of every parameter exactly once: about 16Ψ/N bytes per rank for fp32 Adam, whatever the stage.
+of every parameter exactly once: 12Ψ/N bytes per rank for fp32 Adam (master and two moments),
+whatever the stage.
 Data parallelism replicates everything, so there rank 0 writes it all. Loading reassembles each
 parameter from the ranges, then each rank cuts out what it owns in ITS layout: resharding is free.
 (Here every rank reads every file: fine for a course. PyTorch's Distributed Checkpoint reads only
@@ -101,7 +103,7 @@ def _replicated(engine):
     """Frozen parameters and buffers: identical on every rank, written once by rank 0."""
     trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
     frozen = {n: p.detach().clone() for n, p in engine.module.named_parameters() if id(p) not in trainable}
-    buffers = {n: b.detach().clone() for n, b in engine.module.named_buffers()}
+    buffers = {n: b.detach().clone() for n, b in _persistent_buffers(engine.module).items()}
     return {"frozen": frozen, "buffers": buffers}
 
 
@@ -114,6 +116,16 @@ def _atomic_write(path, data):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    try:                                        # make the rename itself durable (POSIX)
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _broadcast_object(obj, group):
@@ -123,17 +135,29 @@ def _broadcast_object(obj, group):
     return box[0]
 
 
+def _quiesce(engine):
+    """Nothing may still be writing the state: a delayed host update (offload) finishes and reaches
+    the device; stage 3's in-flight reduce-scatters land."""
+    if hasattr(engine, "host_optimizers"):
+        engine.flush()
+        for h in engine.host_optimizers():
+            h.wait()
+    if engine.stage == 3:
+        engine._settle()
+
+
+def _persistent_buffers(module):
+    """{name: buffer} of the buffers that belong in a state dict (not ``persistent=False`` ones)."""
+    keys = set(module.state_dict(keep_vars=True))
+    return {n: b for n, b in module.named_buffers() if n in keys}
+
+
 def save(engine, path, *, client_state=None):
     """Save ``engine``'s training state into the folder ``path``. A collective: every rank calls it
     between steps (after ``step()``). ``client_state``: anything picklable to keep with it (data
     loader position, scheduler...), returned by :func:`load`. Returns the metadata dict."""
     from zerolab import __version__
-    if hasattr(engine, "host_optimizers"):      # offload: finish a delayed host update first
-        engine.flush()
-        for h in engine.host_optimizers():
-            h.wait()
-    if engine.stage == 3:
-        engine._settle()                        # no reduce-scatter still in flight
+    _quiesce(engine)
     group, rank, n = engine.group, engine.rank, engine.world_size
     folder = pathlib.Path(path)
     if rank == 0:
@@ -189,6 +213,10 @@ def read_metadata(path):
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{file}: format {meta.get('format')!r} version {meta.get('version')!r}, "
                               f"expected {FORMAT!r} version {VERSION}")
+    missing = [k for k in ("stage", "world_size", "steps", "optimizer", "params", "aliases", "files")
+               if k not in meta]
+    if missing:
+        raise CheckpointError(f"{file} lacks {missing}: not written by zerolab.checkpoint.save")
     return meta
 
 
@@ -211,7 +239,7 @@ def _assemble(path):
     folder = pathlib.Path(path)
     meta = read_metadata(folder)
     payloads = [_read_file(folder, info) for info in meta["files"]]
-    full, scalars, covered = {}, {}, {}
+    full, scalars, covered, keys = {}, {}, {}, {}
     for name, spec in meta["params"].items():
         numel = 1
         for d in spec["shape"]:
@@ -224,6 +252,9 @@ def _assemble(path):
                 raise CheckpointError(f"{path}: rank {payload['rank']}'s file has parameter {name!r}, "
                                       f"which the metadata does not list")
             for lo, hi, entry in pieces:
+                if keys.setdefault(name, set(entry)) != set(entry):
+                    raise CheckpointError(f"{path}: rank {payload['rank']}'s file has state {sorted(entry)} for "
+                                          f"{name!r}, another file {sorted(keys[name])}: not one save")
                 covered[name][lo:hi] += 1
                 for key, v in entry.items():
                     if v.dim() == 0:
@@ -240,9 +271,10 @@ def _assemble(path):
 
 
 def consolidate(path):
-    """The full fp32 state dict of the checkpoint in ``path``: {name: tensor}, loadable into the plain
-    model with ``model.load_state_dict`` (tied names included, buffers and frozen parameters as
-    saved). Needs no process group (DeepSpeed's zero_to_fp32)."""
+    """The full state dict of the checkpoint in ``path``: {name: tensor}, loadable into the plain
+    model with ``model.load_state_dict`` (tied names included). Trained parameters are their fp32
+    masters (fp64 for fp64 models); buffers and frozen parameters are as saved, in the compute
+    dtype. Needs no process group (DeepSpeed's zero_to_fp32)."""
     meta, full, _, rank0 = _assemble(path)
     out = {name: full[name]["param"].view(meta["params"][name]["shape"]) for name in meta["params"]}
     out.update(rank0["frozen"])
@@ -257,14 +289,17 @@ def load(engine, path):
     state, buffers, frozen parameters and ``engine.steps``; returns the saved ``client_state``.
     Hyperparameters (lr, betas...) stay those ``engine`` was built with."""
     meta, full, scalars, rank0 = _assemble(path)
-    _check_compatible(engine, meta, path)
-    if engine.stage == 3:
-        engine._settle()
+    _check_compatible(engine, meta, rank0, path)      # before anything is written: all or nothing
+    _quiesce(engine)
     with torch.no_grad():
         states = {}                                                  # optimizer -> {index: state}
         for optimizer, master, ranges in _slots(engine):
             m = master.view(-1)
-            keys = set.intersection(*[set(full[n]) for n, *_ in ranges]) - {"param"} if ranges else set()
+            keysets = [set(full[n]) - {"param"} for n, *_ in ranges]
+            if any(k != keysets[0] for k in keysets):
+                raise CheckpointError(f"{path}: parameters sharing one optimizer tensor have different "
+                                      f"optimizer state: {[n for n, *_ in ranges][:5]}")
+            keys = keysets[0] if ranges else set()
             state = {k: torch.zeros_like(m) for k in keys}          # padding elements stay zero
             for name, lo, hi, off in ranges:
                 m[off:off + hi - lo].copy_(full[name]["param"][lo:hi])
@@ -284,16 +319,15 @@ def load(engine, path):
         named = dict(engine.module.named_parameters())
         for name, value in rank0["frozen"].items():
             named[name].copy_(value)
-        buffers = dict(engine.module.named_buffers())
+        buffers = _persistent_buffers(engine.module)
         for name, value in rank0["buffers"].items():
-            if name in buffers:
-                buffers[name].copy_(value)
+            buffers[name].copy_(value)
     engine.steps = meta["steps"]
     return rank0["client_state"]
 
 
-def _check_compatible(engine, meta, path):
-    """CheckpointError unless the checkpoint's parameters and optimizer are the engine's."""
+def _check_compatible(engine, meta, rank0, path):
+    """CheckpointError unless the checkpoint's parameters, buffers and optimizer are the engine's."""
     first, _ = _names(engine.module)
     mine = {first[id(p)]: list(p.shape) for p in unique_trainable(engine.module.parameters())}
     saved = {name: spec["shape"] for name, spec in meta["params"].items()}
@@ -304,6 +338,13 @@ def _check_compatible(engine, meta, path):
     shapes = [(n, saved[n], mine[n]) for n in mine if mine[n] != saved[n]]
     if shapes:
         raise CheckpointError(f"{path}: shapes differ (name, saved, this model): {shapes[:5]}")
+    trainable = {id(p) for p in engine.module.parameters() if p.requires_grad}
+    here = {n: list(p.shape) for n, p in engine.module.named_parameters() if id(p) not in trainable}
+    here.update({n: list(b.shape) for n, b in _persistent_buffers(engine.module).items()})
+    there = {n: list(t.shape) for kind in ("frozen", "buffers") for n, t in rank0[kind].items()}
+    if here != there:
+        diff = sorted(n for n in set(here) | set(there) if here.get(n) != there.get(n))
+        raise CheckpointError(f"{path}: frozen parameters or buffers differ from this model's: {diff[:5]}")
     if meta["optimizer"] != engine.optimizer_class.__name__:
         raise CheckpointError(f"{path} holds {meta['optimizer']} state; this engine uses "
                               f"{engine.optimizer_class.__name__}")

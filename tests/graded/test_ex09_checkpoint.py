@@ -95,6 +95,8 @@ def test_assemble_puts_pieces_together_and_refuses_gaps_and_overlaps():
         ex.assemble(50, pieces + [(3, 5, full[3:5].clone())])   # an overlap: two saves mixed
     with pytest.raises(ValueError):
         ex.assemble(50, [(0, 50, full[:49])])                   # a truncated piece
+    with pytest.raises(ValueError):      # overlap [25, 30) and gap [40, 45): sizes still add up to 50
+        ex.assemble(50, [(0, 30, full[:30]), (25, 40, full[25:40]), (45, 50, full[45:])])
 
 
 @pytest.mark.points(2)
