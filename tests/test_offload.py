@@ -252,15 +252,13 @@ BIG = dict(vocab_size=4096, d_model=512, n_layers=4, n_heads=8, seq_len=64)
 
 
 def _cuda_engine(model, offload, bucket_bytes=25 * 2**20):
-    """Stage 2 in bf16 on this rank's GPU. Built directly rather than by initialize(): its same-model
-    check all-reduces a CPU tensor, which a pure NCCL process group cannot do. NCCL's own
-    reduce_scatter is the right one on GPUs (the ring from send/recv is for gloo)."""
-    from zerolab.offload import Zero2OffloadEngine
-    from zerolab.zero2 import Zero2Engine
-    cls = Zero2OffloadEngine if offload else Zero2Engine
-    engine = cls(model, optimizer=torch.optim.AdamW, opt_kwargs={"lr": LR}, param_dtype=torch.bfloat16,
-                 offload=offload, bucket_bytes=bucket_bytes, group=None)
-    engine.reduce_impl = "torch"
+    """Stage 2 in bf16 on this rank's GPU, built as a user builds it. On NCCL, initialize's
+    same-model check runs on the GPU and the engine picks NCCL's own reduce-scatter (the ring from
+    send/recv is for gloo)."""
+    import zerolab
+    engine = zerolab.initialize(model, stage=2, offload=offload, lr=LR, param_dtype=torch.bfloat16,
+                                bucket_bytes=bucket_bytes)
+    assert engine.reduce_impl == "torch", engine.reduce_impl
     return engine
 
 
