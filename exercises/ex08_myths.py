@@ -25,8 +25,8 @@ def count_copies(per_rank):
     bytes, not by tensors. Returns a float: N when every rank holds the same full copy, 1.0 when
     nothing is stored twice (ZeRO's "zero redundancy")."""
     raise NotImplementedError(
-        "Exercise 08.1: held = the sum of nbytes over every fingerprint of every rank; distinct = "
-        "the sum of nbytes over the DIFFERENT digests (a dict digest -> nbytes); return held / distinct.")
+        "Exercise 08.1: add up the bytes held over all ranks, and the bytes of each distinct digest "
+        "counted once; their ratio is the number of copies.")
 
 
 def master_average(tensor, group=None):
@@ -62,6 +62,6 @@ def forward_flops(model, run):
     rows = the product of the leading dimensions. A module called twice counts twice. Count with
     forward hooks on the Linear modules, and remove them before returning. Returns an int."""
     raise NotImplementedError(
-        "Exercise 08.3: register_forward_hook on every nn.Linear in model.modules(); in the hook add "
-        "2 * (inputs[0].numel() // in_features) * in_features * out_features; call run(); then "
-        "handle.remove() every hook (in a finally:).")
+        "Exercise 08.3: a forward hook on every nn.Linear; in it, a matmul of (rows, k) by the weight "
+        "costs 2·rows·(the weight's elements) FLOPs, read from the tensors at the call; call run(); "
+        "then remove every hook, even if run() raises.")

@@ -183,6 +183,14 @@ def test_forward_flops_one_process():
     idx, y = models.batch("gpt", seed=1, batch_size=3, model=gpt)
     got, want = ex.forward_flops(gpt, lambda: gpt(idx, y)), 3 * gpt.seq_len * gpt_flops_per_row(gpt)
     assert got == want, f"forward_flops(TinyGPT, 3 x {gpt.seq_len} rows) = {got}; expected {want}"
+    # A layer holding only part of its weight (as a tensor-parallel rank would) must count only that
+    # part: the FLOPs come from the tensors at the call, not from the module's declared sizes.
+    half = torch.nn.Linear(8, 6)
+    half.weight = torch.nn.Parameter(torch.randn(3, 8))        # out_features still says 6
+    half.bias = torch.nn.Parameter(torch.randn(3))
+    got = ex.forward_flops(half, lambda: half(torch.randn(5, 8)))
+    assert got == 2 * 5 * 8 * 3, (f"forward_flops on a Linear computing with a (3, 8) weight, 5 rows: {got}; "
+                                  f"expected 2 x 5 x 8 x 3 = 240 (count the weight that is used, not out_features)")
 
 
 def check_zero3_flops():
