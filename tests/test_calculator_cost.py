@@ -1,6 +1,8 @@
 """calculator.at_scale / describe_at_scale ("what would this cost at N GPUs") against closed forms
 worked by hand, with the published profiles' numbers written out here; and the widget's at-scale
 output following its controls. Fast: no ranks."""
+import html
+
 import pytest
 
 from zerolab import calculator
@@ -132,3 +134,12 @@ def test_widget_at_scale_output_follows_the_controls():
     w.controls["offload"].value = True
     w.controls["stage"].value = 0                          # invalid: both outputs say so
     assert "stage 0" in w.message.value and "Not a valid setting" in w.cost_message.value
+
+
+def test_widget_says_when_the_typed_device_memory_differs_from_the_gpu():
+    pytest.importorskip("ipywidgets")
+    w = calculator.MemoryCalculator(num_params=PSI, world_size=N, stage=1, hardware="V100 32GB")
+    assert "typed in 'device GB'" not in html.unescape(w.cost_message.value)
+    w.controls["device_gb"].value = 16                     # typed by hand: the chart uses 16 GB
+    text = _text(html.unescape(w.cost_message.value))
+    assert "uses the V100 32GB's 32 GB" in text and "the 16 GB typed in 'device GB'" in text, text

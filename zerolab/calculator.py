@@ -248,9 +248,11 @@ class MemoryCalculator:
     """
 
     def __init__(self, num_params=7.5e9, world_size=64, stage=2, *, precision="mixed",
-                 optimizer="adam", offload=False, device_gb=80.0, hardware="A100 80GB",
+                 optimizer="adam", offload=False, device_gb=None, hardware="A100 80GB",
                  tokens_per_gpu=4096):
         import ipywidgets as w
+        if device_gb is None:                      # default: the chosen GPU's memory
+            device_gb = _hardware(hardware)[0].device_memory / GB
         style = {"description_width": "9em"}
         self.controls = {
             "num_params": w.FloatLogSlider(value=num_params, base=10, min=6, max=12.5, step=0.001,
@@ -348,6 +350,9 @@ class MemoryCalculator:
         except ValueError as exc:
             return f"<b>Not a valid setting:</b> {html.escape(str(exc))}"
         text = describe_at_scale(r)
+        if abs(c["device_gb"].value * GB - r["device_memory"]) > 0.05 * GB:   # the box was edited by hand
+            text += (f"\nnote     this panel uses the {c['hardware'].value}'s {_fmt(r['device_memory'] / GB)} GB; "
+                     f"the chart above uses the {_fmt(c['device_gb'].value)} GB typed in 'device GB'")
         return f"<pre style='white-space: pre-wrap; font-size: 85%; margin: 0'>{html.escape(text)}</pre>"
 
     def _repr_mimebundle_(self, **kwargs):
