@@ -12,7 +12,7 @@ One step on rank r of N, Ψ parameters, bf16 compute (paper Sec. 4.1, Fig. 2; sp
     bf16 param shard r                    <---   cast to bf16 (same pinned buffer)    2Ψ/N bytes up
     all-gather the params
 
-Why this cut (paper Sec. 4.1): all compute that grows with the batch stays on the fast device, which
+Why this cut (paper Sec. 3, the data-flow graph and its optimal cut): all compute that grows with the batch stays on the fast device, which
 keeps only what it needs (the 2-byte params; gradients while backward produces them); the update is
 O(Ψ) and memory-bound, so the host can run it; and only gradients (down) and parameters (up) cross
 the host link: 4Ψ bytes per step (4Ψ/N per rank), the least any offload of the optimizer can move.

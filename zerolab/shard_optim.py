@@ -10,8 +10,9 @@ in where the gradient shard comes from and in how the updated parameters get bac
     | bf16 bf16 bf16 ... |   --- init: fp32 values --->    | fp32 fp32 fp32 ... |  + exp_avg, exp_avg_sq
                              <-- step: cast + copy ----
 
-In fp32 training the master IS the shard (no second copy: 4 + 8 = 12 bytes per owned element for
-Adam); in bf16/fp16 it is a separate fp32 tensor (4 + 8 = K = 12 bytes per owned element).
+In fp32 training the master IS the shard: no second copy, only Adam's 8 bytes per owned element
+(K = 8; the 4-byte values are the parameters themselves). In bf16/fp16 it is a separate fp32 tensor:
+master 4 + moments 8 = K = 12 bytes per owned element.
 Adam's update is elementwise, so running it on a flat slice equals running it on whole parameters.
 """
 import torch
