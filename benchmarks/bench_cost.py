@@ -20,12 +20,14 @@ import datetime
 import json
 import os
 import pathlib
+import statistics
 import sys
 import time
 
 import torch
 
 import zerolab
+from benchmarks import Section
 from zerolab import calibrate
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -116,7 +118,15 @@ def main(world_sizes=(2, 3, 4), *, rounds=5, profile_path=DEFAULT_PROFILE, **kwa
                         **kwargs)
     if profile_path is not None:
         pathlib.Path(profile_path).write_text(json.dumps(profile, indent=2) + "\n")
-    return table(profile, rows)
+    headlines = []
+    for key, name in (("ours", "one link (all_reduce's)"), ("links", "each collective's own link")):
+        errors = [r[key]["total"] / r["measured"] - 1 for r in rows]
+        within = sum(abs(e) <= TARGET for e in errors)
+        headlines.append((f"cost model, predicted / measured step time, {name}, median of {len(rows)} cases",
+                          f"{1 + statistics.median(errors):.2f}",
+                          f"{within} of {len(rows)} within ±{TARGET:.0%} (stages 0-3 and offload at "
+                          f"N = {', '.join(map(str, sorted({r['world_size'] for r in rows})))})"))
+    return Section(table(profile, rows), headlines)
 
 
 def cli(argv=None):

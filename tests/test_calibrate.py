@@ -98,3 +98,11 @@ def test_bench_cost_runs_and_writes_a_valid_profile(tmp_path):
         assert f"| 2 | {stage} |" in text, text
     assert "within ±25%" in text
     assert set(profile["links"]["2"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    # its headline ratios reach make bench's summary table, one row each
+    from benchmarks import run_all
+    assert len(text.headlines) == 2
+    summary = run_all.headlines([text]).splitlines()
+    assert summary[2:4] == ["| comparison | ratio | how to read it |", "|---|---:|---|"]
+    for what, ratio, reading in text.headlines:
+        assert f"| {what} | {ratio} | {reading} |" in summary
+        assert float(ratio) > 0 and "within ±25%" in reading
