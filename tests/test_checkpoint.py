@@ -276,7 +276,10 @@ def _save_that_crashes_before_its_metadata(path):
             raise OSError("disk full (injected)")
         write(file, data)
     checkpoint._atomic_write = crash_at_commit
-    engine.save_checkpoint(path, client_state={"data_position": engine.steps})
+    try:
+        engine.save_checkpoint(path, client_state={"data_position": engine.steps})
+    finally:
+        checkpoint._atomic_write = write            # the fault ends with this save
 
 
 def test_a_crash_during_save_leaves_the_last_good_checkpoint(clusters, ref, tmp_path):
