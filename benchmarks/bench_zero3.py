@@ -105,7 +105,8 @@ def main(world_sizes=(2,), steps=8):
         headlines += [(f"zerolab ZeRO-3 / torch FSDP2, step time, {n} ranks",
                        f"{times['zerolab stage 3'] / ref_t:.2f}", "below 1: zerolab is faster"),
                       (f"zerolab ZeRO-3 / torch FSDP2, peak memory, {n} ranks",
-                       f"{memory['zerolab stage 3'][0] / ref_m:.2f}", "below 1: zerolab peaks lower (both keep 1/N of the model states)")]
+                       f"{memory['zerolab stage 3'][0] / ref_m:.2f}",
+                       "below 1: zerolab peaks lower (both keep 1/N of the model states)")]
         for c in CONFIGS:
             peak, end = memory[c]
             rows.append(f"| {n} | {c} | {times[c] * 1e3:.0f} | {times[c] / ref_t:.2f} | {peak / 1e6:.1f} | "
