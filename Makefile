@@ -10,6 +10,8 @@ STAMP  := $(VENV)/.zerolab-installed
 # CPU-only torch on Linux (a plain PyPI torch is a multi-GB CUDA build).
 PIP_ARGS ?=
 PORT ?= 8888
+# Extra JupyterLab options for `make lab`, e.g. LAB_ARGS=--no-browser
+LAB_ARGS ?=
 
 .PHONY: lab test test-fast grade bench demo notebooks clean setup
 
@@ -23,8 +25,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (zerolab)" >/dev/null
 	touch $(STAMP)
 
+# Opens lesson 00 (LabApp.default_url: a file named on the command line does not open in JupyterLab 4).
+# As root (a container, typically) JupyterLab refuses to start without --allow-root.
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --port=$(PORT) notebooks/00_collectives.ipynb
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --port=$(PORT) \
+		--LabApp.default_url=/lab/tree/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # Unit + multi-process tests, graded tests on solutions/ (must pass) and on the untouched
 # exercises/ (every graded test must fail), then every notebook under nbval.

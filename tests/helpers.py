@@ -1,4 +1,8 @@
-"""Assertions shared by the engine tests (run in the test process, on what the ranks returned)."""
+"""Helpers shared by the tests: assertions on what the ranks returned, and starting/stopping servers."""
+import signal
+import socket
+
+import psutil
 import torch
 
 
@@ -15,3 +19,31 @@ def assert_params(results, expected, what, *, exact=False, **tol):
                 torch.testing.assert_close(got[name], expected[name], **tol)
             except AssertionError as exc:
                 raise AssertionError(f"rank {rank}, {what}, parameter {name}: {exc}") from None
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(proc):
+    """Stop ``proc`` and everything it started (a server, its kernels in their own sessions, their
+    ranks): SIGTERM, then SIGKILL for what is still alive after 10 s."""
+    try:
+        parent = psutil.Process(proc.pid)
+        family = [parent] + parent.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    for p in family:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)

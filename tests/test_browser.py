@@ -8,15 +8,14 @@ import os
 import pathlib
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-import psutil
 import pytest
+
+from helpers import free_port, kill_tree
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "browser"
@@ -26,37 +25,10 @@ pytestmark = [pytest.mark.browser,
               pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine")]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _kill_tree(proc):
-    """The server, its kernels (own sessions) and the kernels' ranks: everything it started."""
-    try:
-        parent = psutil.Process(proc.pid)
-        family = [parent] + parent.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in family:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(family, timeout=10)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """JupyterLab started as `make lab` starts it, on a free port with a token and no browser."""
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     home = tmp_path_factory.mktemp("jupyter")
     settings = home / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
@@ -86,7 +58,7 @@ def lab(tmp_path_factory):
                 time.sleep(0.5)
         yield base, token
     finally:
-        _kill_tree(proc)
+        kill_tree(proc)
 
 
 @pytest.fixture
