@@ -1,6 +1,9 @@
 """Helpers shared by the tests: assertions on what the ranks returned, and starting/stopping servers."""
+import os
 import signal
 import socket
+import time
+import urllib.request
 
 import psutil
 import torch
@@ -47,3 +50,29 @@ def kill_tree(proc):
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
+
+
+def jupyter_env(home):
+    """os.environ with every Jupyter and JupyterLab folder under ``home``: a server started with it
+    reads no user settings and leaves nothing behind."""
+    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_CONFIG_DIR=str(home / "config"),
+               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "ws"))
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env
+
+
+def wait_for_jupyter(proc, base, token, timeout=90):
+    """Return once the Jupyter server at ``base`` answers; raise if ``proc`` exits or time runs out
+    (with what ``proc`` printed, when its output is piped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+            return
+        except OSError:
+            if proc.poll() is not None:
+                printed = proc.stdout.read() if proc.stdout else ""
+                raise RuntimeError(f"the Jupyter server exited with {proc.returncode}:\n{printed}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Jupyter server did not answer within {timeout} s") from None
+            time.sleep(0.5)

@@ -11,11 +11,10 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from helpers import free_port, kill_tree
+from helpers import free_port, jupyter_env, kill_tree, wait_for_jupyter
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ARTIFACTS = REPO / "test-artifacts" / "browser"
@@ -37,25 +36,14 @@ def lab(tmp_path_factory):
     nb_settings = home / "settings" / "@jupyterlab" / "notebook-extension"
     nb_settings.mkdir(parents=True)
     (nb_settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTER_CONFIG_DIR=str(home / "config"),
-               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "ws"))
-    env.pop("PYTEST_CURRENT_TEST", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={REPO / 'notebooks'}",
          "--ServerApp.allow_root=True"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env=jupyter_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("JupyterLab did not start")
-                time.sleep(0.5)
+        wait_for_jupyter(proc, base, token)
         yield base, token
     finally:
         kill_tree(proc)

@@ -1,18 +1,16 @@
 """`make lab`, the README's first command, as a student runs it: JupyterLab starts on the course's
 notebooks, as root too (in a container, typically), and sends the browser to lesson 00.
 Plain HTTP: no browser needed."""
-import os
 import pathlib
 import secrets
 import shutil
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
 
-from helpers import free_port, kill_tree
+from helpers import free_port, jupyter_env, kill_tree, wait_for_jupyter
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -21,26 +19,13 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
                     reason="needs make and the environment `make` set up (run through `make test`)")
 def test_make_lab_serves_the_notebooks_and_opens_lesson_00(tmp_path):
     port, token = free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"))
-    env.pop("PYTEST_CURRENT_TEST", None)
     proc = subprocess.Popen(
         ["make", "--no-print-directory", "lab", f"PORT={port}", f"VENV={sys.prefix}",
          f"LAB_ARGS=--no-browser --ip=127.0.0.1 --IdentityProvider.token={token}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env=jupyter_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None:
-                    pytest.fail(f"make lab exited with {proc.returncode}:\n{proc.stdout.read()}")
-                if time.monotonic() > deadline:
-                    pytest.fail("make lab: JupyterLab did not answer within 90 s")
-                time.sleep(0.5)
+        wait_for_jupyter(proc, base, token)              # fails with what make lab printed
         # the server's root is notebooks/: lesson 00 is at the top of its file browser
         with urllib.request.urlopen(f"{base}/api/contents/00_collectives.ipynb?content=0&token={token}") as r:
             assert r.status == 200
