@@ -71,7 +71,7 @@ def _contenders():
             ("stage 2 + offload, host AdamW fused", "optimizer", {}, False),
             ("stage 2 + offload, host AdamW for-loop", "optimizer", {"fused": False}, False),
             ("stage 2 + offload + delayed update (DPU)", "optimizer", {}, True)):
-        engine = zerolab.engine.initialize(models.build("gpt", seed=0, **MODEL), stage=2, lr=1e-3,
+        engine = zerolab.initialize(models.build("gpt", seed=0, **MODEL), stage=2, lr=1e-3,
                                            offload=offload, **kw)
         if delayed:
             engine.delayed_update = True

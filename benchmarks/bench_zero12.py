@@ -35,9 +35,7 @@ def _contenders():
     for label, stage, impl in (("zerolab stage 0 (DP)", 0, None), ("ZeRO-1, ring reduce-scatter", 1, "ring"),
                                ("ZeRO-1, gloo reduce_scatter", 1, "torch"), ("ZeRO-2, ring reduce-scatter", 2, "ring"),
                                ("ZeRO-2, gloo reduce_scatter", 2, "torch")):
-        engine = zerolab.engine.initialize(models.build("gpt", seed=0, **MODEL), stage=stage, lr=1e-3)
-        if impl:
-            engine.reduce_impl = impl
+        engine = zerolab.initialize(models.build("gpt", seed=0, **MODEL), stage=stage, lr=1e-3, reduce_impl=impl)
 
         def step(x, y, engine=engine):
             engine.backward(engine(x, y))
@@ -84,7 +82,7 @@ def _measure(steps):
         mem = sent = None
         if engine is not None:
             rep = engine.memory_report()
-            mem = sum(sum(v.values()) for k, v in rep.items() if k != "padding")
+            mem = sum(sum(v.values()) for v in rep.values())
             sent = engine.last_step_comm.sent_bytes
         rows[name] = (statistics.median(times[name][1:]), mem, sent)
     return rows

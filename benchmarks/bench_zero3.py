@@ -32,7 +32,7 @@ CONFIGS = ("stage 0 (DP)", "zerolab stage 3", "zerolab stage 3, no prefetch", "F
 
 def _build(config):
     """A model and a step function for one configuration, on this rank."""
-    from zerolab.engine import initialize
+    from zerolab import initialize
     model = models.build("gpt", seed=0, **MODEL)
     if config == "FSDP2 fully_shard":
         from torch.distributed.device_mesh import init_device_mesh

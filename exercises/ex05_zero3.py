@@ -1,7 +1,7 @@
 """Exercise 05 — ZeRO-3's gather / free hooks.
 
 The ZeRO-3 engine (``zerolab.zero3.Zero3Engine``) decides WHEN a unit's parameters must exist; you
-write HOW. Each ``unit`` (a :class:`zerolab.zero3.Unit`) has:
+write HOW. Each ``unit`` (a :class:`zerolab.units.Unit`) has:
 
 * ``unit.full``  — the unit's padded flat parameter buffer, compute dtype, ``unit.flat.padded_numel``
   elements. Its parameters are views into it. At rest its storage holds 0 bytes.
@@ -11,7 +11,7 @@ write HOW. Each ``unit`` (a :class:`zerolab.zero3.Unit`) has:
 
 Plug your functions into the engine and train::
 
-    from zerolab.engine import initialize
+    from zerolab import initialize
     from zerolab.grading import exercise_module
     engine = initialize(model, stage=3, ops=exercise_module("ex05_zero3"))   # this file
 
@@ -38,10 +38,10 @@ def reduce_scatter_grads(unit, grad_full, group=None, impl="torch"):
     """``grad_full`` is this rank's full flat gradient of the unit (laid out like ``unit.full``).
     Reduce-scatter it in place: this rank's own slice of ``grad_full`` must end up holding the SUM
     over ranks of that slice (the engine divides by N). ``impl='torch'``: async, return the handle;
-    ``impl='ring'``: blocking (zerolab.comm's ``impl='ring'``), return None."""
+    ``impl='ring'``: blocking (lesson 00's ring; ``zerolab.engine.reduce_scatter`` chooses), return None."""
     raise NotImplementedError(
-        "Exercise 05.3: own = unit.flat.shard(grad_full); zerolab.comm.reduce_scatter(own, grad_full, ...) "
-        "with async_op only for impl='torch' and impl passed through.")
+        "Exercise 05.3: own = unit.flat.shard(grad_full); zerolab.engine.reduce_scatter(own, grad_full, ...) "
+        "with impl passed through and async_op=True (the ring ignores it: it is blocking).")
 
 
 def register_pre_backward(output, fn):

@@ -3,6 +3,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from zerolab import comm
+from zerolab.engine import reduce_scatter
 
 
 def gather(unit, group=None, async_op=False):
@@ -21,7 +22,7 @@ def free(unit):
 
 def reduce_scatter_grads(unit, grad_full, group=None, impl="torch"):
     own = unit.flat.shard(grad_full)   # rank r owns slice r: the reduced sum lands there
-    return comm.reduce_scatter(own, grad_full, group=group, async_op=impl == "torch", impl=impl)
+    return reduce_scatter(own, grad_full, group=group, impl=impl, async_op=True)   # ring: blocking, None
 
 
 def register_pre_backward(output, fn):

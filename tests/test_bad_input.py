@@ -61,7 +61,18 @@ def _initialize_refusals():
         "lr": lambda: zerolab.initialize(mlp(), lr=-1),
         "not a module": lambda: zerolab.initialize(lambda x: x),
         "differs across ranks": lambda: zerolab.initialize(models.build("mlp", seed=dist.get_rank()), stage=2),
+        "closure optimizer at stage 0": lambda: zerolab.initialize(mlp(), stage=0, optimizer=torch.optim.LBFGS),
+        "lr inf": lambda: zerolab.initialize(mlp(), lr=float("inf")),
+        "lr bool": lambda: zerolab.initialize(mlp(), lr=True),
+        "reduce_impl": lambda: zerolab.initialize(mlp(), stage=2, reduce_impl="tree"),
+        "stage-3 option at stage 1": lambda: zerolab.initialize(mlp(), stage=1, prefetch=False),
+        "bad stage-3 value": lambda: zerolab.initialize(mlp(), stage=3, prefetch="yes"),
     }
+    for stage, offload in ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"),
+                           (3, "optimizer")):   # a misspelt option, at every stage: never AdamW's TypeError
+        cases[f"unknown option, stage {stage} {offload}"] = \
+            lambda stage=stage, offload=offload: zerolab.initialize(mlp(), stage=stage, offload=offload,
+                                                                    weight_decy=0.1)
     return {name: _message(case) for name, case in cases.items()}
 
 
@@ -78,9 +89,17 @@ def test_initialize_refuses_bad_options_with_a_clear_message(clusters):
         "no trainable": "no trainable parameters",
         "int parameter": "parameters must be floating point; not so: ['count']",
         "param_dtype": "param_dtype=torch.int8 is not supported",
-        "lr": "lr must be a positive number, got -1",
+        "lr": "lr must be a finite positive number, got -1",
         "not a module": "model must be a torch.nn.Module",
         "differs across ranks": "the model differs across ranks",
+        "closure optimizer at stage 0": "LBFGS needs a closure in step()",
+        "lr inf": "lr must be a finite positive number, got inf",
+        "lr bool": "lr must be a finite positive number, got True",
+        "reduce_impl": "reduce_impl='tree' is not supported",
+        "stage-3 option at stage 1": "unknown option 'prefetch' for stage 1; it is an option of stage 3",
+        "bad stage-3 value": "prefetch='yes' is not valid for stage 3: True or False",
+        **{f"unknown option, stage {s} {o}": "unknown option 'weight_decy'" for s, o in
+           ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"))},
     }
     for name, text in expected.items():
         assert got[name].startswith("ValueError") and text in got[name], f"{name}: {got[name]}"

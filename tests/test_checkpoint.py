@@ -41,7 +41,7 @@ def reference(steps):
         model(*_batch(step, model, 0, 1)).backward()
         opt.step()
         if step + 1 in steps:
-            out[step + 1] = {n: p.detach().clone() for n, p in model.named_parameters()}
+            out[step + 1] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     return out
 
 

@@ -34,14 +34,14 @@ def reference(name, world_size, dtype=torch.float64, accum=1, steps=STEPS, optim
         opt.zero_grad()
         model(x, y).backward()
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def train_on_rank(kind, name, dtype=torch.float64, accum=1, bucket_bytes=2048, steps=STEPS):
     """Train on this rank's micro-batches with ``kind``: 'naive' / 'bucketed' (the DataParallel
     wrapper in a plain torch loop), 'engine' (zerolab.initialize, stage 0), or 'ddp' (torch's)."""
     from zerolab.data_parallel import DataParallel
-    from zerolab.engine import initialize
+    from zerolab import initialize
     rank = dist.get_rank()
     model = _build(name, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -75,7 +75,7 @@ def train_on_rank(kind, name, dtype=torch.float64, accum=1, bucket_bytes=2048, s
             opt.zero_grad()          # set_to_none=True: the wrapper must cope with it
     if kind == "engine":
         return net.full_state_dict()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -110,7 +110,7 @@ def test_gradient_accumulation_no_sync(clusters, world_size):
 
 def _one_step_report(name, bucket_bytes):
     """One engine step with a timeline; returns what the step logged and measured."""
-    from zerolab.engine import initialize
+    from zerolab import initialize
     from zerolab.timeline import Timeline
     model = _build(name, torch.float32)
     engine = initialize(model, stage=0, lr=LR, bucket_bytes=bucket_bytes)
@@ -120,7 +120,7 @@ def _one_step_report(name, bucket_bytes):
     engine.step()
     log = engine.last_step_comm
     spans = tl.collect()
-    backward_end = next(s.end for s in spans if s.name == "backward compute")
+    backward_end = next(s.end for s in spans if s.name == "backward")
     starts = [s.start for s in spans if s.name.startswith("all_reduce bucket")]
     return {"ops": log.by_op(), "sent": log.sent_bytes, "ideal": log.ideal_bytes,
             "measured": log.measured_bytes, "n_buckets": len(engine.ddp.sync.buckets),
@@ -156,7 +156,7 @@ def test_bytes_memory_and_overlap(clusters, world_size, name):
 
 
 def _mixed_precision():
-    from zerolab.engine import initialize
+    from zerolab import initialize
     model = _build("gpt", torch.float32)
     # SGD: an update is lr x grad, often far below bf16's resolution of a weight near 1 (2^-8):
     # only the fp32 master keeps it, which is what this test can see.

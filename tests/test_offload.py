@@ -25,7 +25,7 @@ def _engine(name, stage, *, dtype, param_dtype=None, offload=None, bucket_bytes=
     if bucket_bytes == "small":                        # several buckets in stage 2
         bucket_bytes = 3000 if name == "mlp" else 40000
     model = models.build(name, seed=0, dtype=dtype)
-    return zerolab.engine.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype, offload=offload,
+    return zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype, offload=offload,
                                      bucket_bytes=bucket_bytes, **kw)
 
 
@@ -48,7 +48,9 @@ def train(name, stage, steps, *, dtype=torch.float32, param_dtype=None, offload=
                 engine.backward(engine(x, y) / micro)
         engine.step()
         engine.zero_grad()
-    device = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # stage 3: the module's parameters are views of freed storage between steps (only shards persist)
+    device = {} if stage == 3 else {n: p.detach().clone()
+                                    for n, p in engine.module.named_parameters(remove_duplicate=False)}
     return engine.full_state_dict(), device
 
 
@@ -70,7 +72,7 @@ def _three_ways():
     """On every rank, for each model/stage/precision: (plain, offload for-loop Adam, offload fused)."""
     out = {}
     for name in ("mlp", "gpt"):
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             for pdt in (None, torch.bfloat16):
                 out[name, stage, pdt] = [train(name, stage, 2, param_dtype=pdt, **kw)[0] for kw in
                                          ({}, {"offload": "optimizer", "fused": False}, {"offload": "optimizer"})]
@@ -79,7 +81,7 @@ def _three_ways():
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_same_parameters_as_the_stage_without_offload(clusters, world_size):
-    """fp32 and bf16-mixed, stages 1 and 2 (several buckets), ToyMLP (frozen layer, module used twice,
+    """fp32 and bf16-mixed, stages 1, 2 (several buckets) and 3, ToyMLP (frozen layer, module used twice,
     uneven sizes) and TinyGPT (tied weights): with the same (for-loop) CPU AdamW the offloaded
     engine is BIT-identical to the non-offloaded one; with torch's fused CPU AdamW (the default under
     offload) the kernel rounds differently: fp32 within 1e-5 after 2 steps (Adam's first steps
@@ -115,7 +117,7 @@ def reference(name, world_size, steps, *, micro=1, stale=False):
         opt.step()
         opt.zero_grad()
         behind = now
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, behind, trainable, model
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, behind, trainable, model
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -125,19 +127,21 @@ def test_float64_equals_one_process_with_accumulation(clusters, world_size):
     process on the global batch to 1e-10."""
     c = clusters(world_size)
     expected = reference("gpt", world_size, 3, micro=2)[0]
-    for stage, no_sync in ((1, True), (2, True), (2, False)):
+    for stage, no_sync in ((1, True), (2, True), (2, False), (3, False)):
         states = [s for s, _ in c.run(train, "gpt", stage, 3, dtype=torch.float64, offload="optimizer",
                                       micro=2, no_sync=no_sync)]
         _states_close(states, [expected] * world_size, 1e-10, 1e-10, f"stage {stage} no_sync={no_sync}")
 
 
 def _placement(stage, param_dtype):
+    kw = {"units": []} if stage == 3 else {}                 # stage 3: one unit, the root
     engine = _engine("gpt", stage, dtype=torch.float32, param_dtype=param_dtype, offload="optimizer",
-                     bucket_bytes=None)                       # one flat buffer: the formula's padding
+                     bucket_bytes=None, **kw)                 # one flat buffer: the formula's padding
     before = dict(engine.host_traffic())
     x, y = _batch("gpt", 0, dist.get_rank())
     engine.backward(engine(x, y))
-    device_grads_after_backward = sum(t.numel() * t.element_size() for t in engine.state_tensors()["grads"])
+    device_grads_after_backward = sum(t.numel() * t.element_size() for t in engine.state_tensors()["grads"]
+                                      if t is not None)
     engine.step()
     after = engine.host_traffic()
     psi = sum(p.numel() for p in dict.fromkeys(engine.module.parameters()))
@@ -154,12 +158,12 @@ def _placement(stage, param_dtype):
 def test_placement_by_role_matches_zero_offload(clusters, world_size):
     """Device and host bytes of each rank equal ZeRO-Offload's split (padded to a multiple of N):
     stage 2 device = params only (2Ψ bf16 / 4Ψ fp32), host = grad shard + master + moments; stage 1
-    keeps its full gradient on the device. In bf16 the host also keeps a 4Ψ/N fp32 gradient workspace
+    keeps its full gradient on the device; stage 3 keeps only its parameter shard there (2Ψ/N). In bf16 the host also keeps a 4Ψ/N fp32 gradient workspace
     for the optimizer (not in the paper's accounting; DeepSpeed keeps fp32 host gradients too). The host-side tensors are storages of their own (never the
     device params, fp32 included), and each step moves exactly one shard each way."""
     c = clusters(world_size)
     n = world_size
-    for stage in (1, 2):
+    for stage in (1, 2, 3):
         for pdt in (None, torch.bfloat16):
             r = c.run(_placement, stage, pdt)
             shard = -(-r[0]["psi"] // n)
@@ -173,25 +177,49 @@ def test_placement_by_role_matches_zero_offload(clusters, world_size):
                                             "host": sum(theory["host"].values()) + workspace}, (what, got["placement"], theory)
                 assert got["traffic"] == {"to_host": word * shard, "to_device": word * shard}, (what, got["traffic"])
                 assert got["separate"], f"{what}: a host tensor shares storage with the device params"
-                if stage == 2:
+                if stage >= 2:
                     assert got["device_grads"] == 0, f"{what}: {got['device_grads']} B of gradients left on the device"
                 else:
                     assert got["device_grads"] == word * shard * n, what
 
 
-def _dpu(steps, name="gpt"):
-    engine = _engine(name, 2, dtype=torch.float64, offload="optimizer")
+def _dpu(steps, name="gpt", stage=2):
+    engine = _engine(name, stage, dtype=torch.float64, offload="optimizer")
     engine.delayed_update = True
     for s in range(steps):
         x, y = _batch(name, s, dist.get_rank())
         engine.backward(engine(x, y))
         engine.step()
         engine.zero_grad()
+    if stage == 3:                      # parameters are shards: what the device computes with is a loss
+        master = engine.full_state_dict()
+        x, y = _batch(name, 99, 0)
+        with torch.no_grad():
+            before = engine(x, y).item()
+            engine.flush()
+            return master, before, engine(x, y).item()
     device = [p.detach().clone() for p in dict.fromkeys(engine.module.parameters()) if p.requires_grad]
     master = engine.full_state_dict()
     engine.flush()
-    flushed = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    flushed = {n: p.detach().clone() for n, p in engine.module.named_parameters(remove_duplicate=False)}
     return master, device, flushed
+
+
+def test_delayed_parameter_update_at_stage_3(clusters):
+    """DPU at stage 3 + offload, float64: the master equals the stale AdamW, the device computes one
+    update behind until flush(), then with the newest parameters (losses equal a reference model's)."""
+    out = clusters(2).run(_dpu, 4, "gpt", 3)
+    stale, behind, trainable, model = reference("gpt", 2, 4, stale=True)
+    _states_close([m for m, _, _ in out], [stale] * 2, 1e-10, 1e-10, "stage 3 DPU master vs stale AdamW")
+    x, y = _batch("gpt", 99, 0)
+    with torch.no_grad():
+        newest = model(x, y).item()                     # the reference model holds the newest params
+        for p, q in zip(trainable, behind):
+            p.copy_(q)
+        one_behind = model(x, y).item()
+    for rank, (_, before, after) in enumerate(out):
+        assert before == pytest.approx(one_behind, abs=1e-10), f"rank {rank}: not one update behind"
+        assert after == pytest.approx(newest, abs=1e-10), f"rank {rank}: flush() did not bring the newest"
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -243,7 +271,7 @@ def test_options_are_validated(clusters):
     import zerolab.engine
     assert "delayed_update" in clusters(1).run(_bad_delayed)[0]
     with pytest.raises(ValueError, match="offload"):
-        zerolab.engine._validate(models.build("mlp"), 0, torch.optim.AdamW, 1e-3, None, "optimizer", None, None)
+        zerolab.initialize(models.build("mlp"), stage=0, offload="optimizer")
 
 
 # -- GPU: real device memory -----------------------------------------------------------------

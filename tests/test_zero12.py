@@ -43,7 +43,7 @@ def reference(name, world_size, steps, *, dtype=torch.float64, micro=1, mixed=Fa
                 for m_, p in zip(master, trainable):
                     p.copy_(m_)
     names = {id(p): n for n, p in model.named_parameters()}
-    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     out.update({names[id(p)]: m_.detach().clone() for m_, p in zip(master, trainable)})
     return out
 
@@ -54,10 +54,8 @@ def train(name, stage, steps, *, dtype=torch.float64, param_dtype=None, bucket_b
     import zerolab.engine
     rank = dist.get_rank()
     model = models.build(name, seed=0, dtype=dtype)
-    engine = zerolab.engine.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype,
-                                       bucket_bytes=bucket_bytes)
-    if reduce_impl:
-        engine.reduce_impl = reduce_impl
+    engine = zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype,
+                                bucket_bytes=bucket_bytes, reduce_impl=reduce_impl)
     cdt = param_dtype or dtype
     for s in range(steps):
         for m in range(micro):
@@ -129,7 +127,7 @@ def test_gradient_accumulation(clusters, world_size):
 def _double_sync():
     import zerolab.engine
     model = models.build("mlp", seed=0)
-    engine = zerolab.engine.initialize(model, stage=1, lr=LR)
+    engine = zerolab.initialize(model, stage=1, lr=LR)
     x, y = _batch("mlp", 0, dist.get_rank(), 0, torch.float32)
     engine.backward(engine(x, y))
     try:
@@ -181,7 +179,7 @@ def _with_zero_redundancy_optimizer(steps):
     ddp = DDP(theirs)
     ours = Zero1Optimizer(plain.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1)
     ref = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1)
-    engine = zerolab.engine.initialize(models.build("gpt", dtype=torch.float64), stage=1, lr=LR,
+    engine = zerolab.initialize(models.build("gpt", dtype=torch.float64), stage=1, lr=LR,
                                        weight_decay=0.1)
     # A learning-rate schedule on the wrapper must reach the shard optimizer.
     schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ours, ref)]
@@ -199,8 +197,8 @@ def _with_zero_redundancy_optimizer(steps):
         for schedule in schedules:
             schedule.step()
         engine.optimizer.param_groups[0]["lr"] *= 0.5
-    return ({n: p.detach().clone() for n, p in plain.named_parameters()},
-            {n: p.detach().clone() for n, p in theirs.named_parameters()}, engine.full_state_dict())
+    return ({n: p.detach().clone() for n, p in plain.named_parameters(remove_duplicate=False)},
+            {n: p.detach().clone() for n, p in theirs.named_parameters(remove_duplicate=False)}, engine.full_state_dict())
 
 
 def test_equals_zero_redundancy_optimizer(clusters):
@@ -212,13 +210,13 @@ def _memory(stage, param_dtype, bucket_bytes):
     import zerolab.engine
     rank = dist.get_rank()
     model = models.build("mlp", seed=0)
-    engine = zerolab.engine.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype,
+    engine = zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype,
                                        bucket_bytes=bucket_bytes)
     x, y = _batch("mlp", 0, rank, 0, param_dtype or torch.float32)
     engine.backward(engine(x, y))
     engine.step()                      # Adam's moments exist from the first step on
     report = engine.memory_report()
-    return {k: sum(v.values()) if isinstance(v, dict) else v for k, v in report.items()}
+    return dict({k: sum(v.values()) for k, v in report.items()}, padding=engine.padding_bytes())
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -264,8 +262,8 @@ def test_memory_equals_formula_plus_padding(clusters, world_size):
 def _comm(stage, impl, param_dtype):
     import zerolab.engine
     model = models.build("gpt", seed=0)
-    engine = zerolab.engine.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype, bucket_bytes=None)
-    engine.reduce_impl = impl
+    engine = zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype, bucket_bytes=None,
+                                reduce_impl=impl)
     x, y = _batch("gpt", 0, dist.get_rank(), 0, torch.float32)
     for _ in range(2):  # the second step is the measured one (connections warm)
         engine.backward(engine(x, y))
@@ -300,20 +298,19 @@ def _zero2_during_backward(stage, impl):
     import zerolab.comm
     import zerolab.engine
     model = models.build("gpt", seed=0)
-    engine = zerolab.engine.initialize(model, stage=stage, lr=LR, bucket_bytes=20000)
-    engine.reduce_impl = impl
-    calls, real = [], zerolab.comm.reduce_scatter
+    engine = zerolab.initialize(model, stage=stage, lr=LR, bucket_bytes=20000, reduce_impl=impl)
+    calls, real = [], zerolab.engine.reduce_scatter
 
     def spy(*args, **kwargs):
         calls.append(torch._C._current_graph_task_id() != -1)   # -1: not inside backward
         return real(*args, **kwargs)
 
-    zerolab.comm.reduce_scatter = spy
+    zerolab.engine.reduce_scatter = spy
     try:
         x, y = _batch("gpt", 0, dist.get_rank(), 0, torch.float32)
         engine.backward(engine(x, y))
     finally:
-        zerolab.comm.reduce_scatter = real
+        zerolab.engine.reduce_scatter = real
     trainable = [p for p in model.parameters() if p.requires_grad]
     live_grads = [p for p in trainable if p.grad is not None]
     grads = engine.memory_report()["grads"]["cpu"]
@@ -334,10 +331,9 @@ def test_zero2_reduces_during_backward_and_keeps_no_full_gradient(clusters, impl
 
 def _bad_impl():
     import zerolab.engine
-    engine = zerolab.engine.initialize(models.build("mlp"), stage=1, lr=LR)
     out = []
-    for call in (lambda: setattr(engine, "reduce_impl", "nccl"),
-                 lambda: __import__("zerolab.comm").comm.reduce_scatter(torch.zeros(1), torch.zeros(2), impl="tree")):
+    for call in (lambda: zerolab.initialize(models.build("mlp"), stage=1, lr=LR, reduce_impl="nccl"),
+                 lambda: zerolab.engine.reduce_scatter(torch.zeros(1), torch.zeros(2), impl="tree")):
         try:
             call()
             out.append(None)
@@ -446,7 +442,7 @@ def _unused_param_training(stage, steps):
     model = models.build("mlp", seed=0, dtype=torch.float64)
     torch.manual_seed(1)
     model.unused = torch.nn.Linear(3, 3).double()
-    engine = zerolab.engine.initialize(model, stage=stage, lr=LR, bucket_bytes=500)
+    engine = zerolab.initialize(model, stage=stage, lr=LR, bucket_bytes=500)
     for s in range(steps):
         x, y = _batch("mlp", s, rank, 0, torch.float64)
         engine.backward(engine(x, y))
@@ -471,6 +467,6 @@ def test_parameters_without_gradient_get_zero(clusters, stage):
                 p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad()
-    expected = {k: v.detach() for k, v in model.named_parameters()}
+    expected = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
     states = clusters(n).run(_unused_param_training, stage, steps)
     _compare(states, expected, 1e-10, 1e-10, f"stage {stage} with an unused parameter")

@@ -34,17 +34,14 @@ def reference(name, world_size, dtype=torch.float64, accum=1, optimizer=torch.op
         opt.zero_grad()
         model(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])).backward()
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def train(name, dtype=torch.float64, *, stage=3, accum=1, param_dtype=None, optimizer=torch.optim.AdamW,
           lr=LR, model_kw=None, **options):
-    from zerolab.engine import initialize
+    from zerolab import initialize
     model = _build(name, dtype, **(model_kw or {}))
-    reduce_impl = options.pop("reduce_impl", None)
     engine = initialize(model, stage=stage, optimizer=optimizer, lr=lr, param_dtype=param_dtype, **options)
-    if reduce_impl:
-        engine.reduce_impl = reduce_impl
     for step in range(STEPS):
         for k in range(accum):
             x, y = _data(name, model, step, dist.get_rank(), k, dtype)
@@ -109,17 +106,17 @@ def _unit_sizes(model, units):
 
 
 def _step_report(name, param_dtype=None, units=None, persist_numel=0, model_kw=None, reduce_impl="ring"):
-    from zerolab.engine import initialize
+    from zerolab import initialize
     model = _build(name, torch.float32, **(model_kw or {}))
     kw = {} if units is None else {"units": [model.get_submodule(u) for u in units]}
-    engine = initialize(model, stage=3, lr=LR, param_dtype=param_dtype, persist_numel=persist_numel, **kw)
-    engine.reduce_impl = reduce_impl
+    engine = initialize(model, stage=3, lr=LR, param_dtype=param_dtype, persist_numel=persist_numel,
+                        reduce_impl=reduce_impl, **kw)
     for step in range(2):                 # the second step: optimizer state exists, log is a full step
         x, y = _data(name, model, step, dist.get_rank(), dtype=torch.float32)
         engine.backward(engine(x, y))
         engine.step()
     log = engine.last_step_comm
-    return {"memory": engine.memory_report(), "ops": log.by_op(), "sent": log.sent_bytes,
+    return {"memory": engine.memory_report(), "padding": engine.padding_bytes(), "ops": log.by_op(), "sent": log.sent_bytes,
             "ideal": log.ideal_bytes, "measured": log.measured_bytes,
             "grads": [p.grad for p in model.parameters()],
             "full_bytes": [u.full.untyped_storage().nbytes() for u in engine.units]}
@@ -140,13 +137,13 @@ def test_persistent_model_states_are_4_plus_k_over_n(clusters, world_size, name,
     total_unpadded = 0
     for rank, r in enumerate(reports):
         mem = r["memory"]
-        got = sum(sum(d.values()) for kind, d in mem.items() if kind != "padding")
+        got = sum(sum(d.values()) for d in mem.values())
         want = (b + b + k) * sum(shards) + b * frozen        # (4+K) x ceil(Ψ_u/N) per unit + frozen
         assert got == want, f"rank {rank}: {got} bytes of model states, closed form {want} ({mem})"
         assert mem["params"] == {"cpu": b * sum(shards)} and mem["grads"] == {"cpu": b * sum(shards)}
         pad = sum(max(0, min(s_r, (rank + 1) * s_r - s)) for s, s_r in zip(sizes, shards))
-        assert mem["padding"] == (b + b + k) * pad, f"rank {rank}: padding {mem['padding']}, expected {pad} elements"
-        total_unpadded += got - mem["padding"] - b * frozen
+        assert r["padding"] == (b + b + k) * pad, f"rank {rank}: padding {r['padding']}, expected {pad} elements"
+        total_unpadded += got - r["padding"] - b * frozen
         assert all(g is None for g in r["grads"]), f"rank {rank}: a full-size .grad survived the step"
         assert not any(r["full_bytes"]), f"rank {rank}: gathered parameters survived the step: {r['full_bytes']}"
     assert total_unpadded == (b + b + k) * psi        # summed over ranks: exactly (4+K)Ψ, 16 bytes/param
@@ -209,7 +206,7 @@ def test_bytes_with_root_and_module_called_twice(clusters):
 # -- the properties of the cycle --------------------------------------------------------------------
 def _materialised_during_step(prefetch):
     """At every unit's forward and backward, which units hold full parameters."""
-    from zerolab.engine import initialize
+    from zerolab import initialize
     model = _build("gpt", torch.float32, n_layers=3)
     engine = initialize(model, stage=3, lr=LR, prefetch=prefetch)
     live = lambda: sorted(u.name for u in engine.units if u.full.untyped_storage().nbytes())
@@ -242,7 +239,7 @@ def test_gather_right_before_use_and_free_right_after(clusters, prefetch):
 
 
 def _errors():
-    from zerolab.engine import initialize
+    from zerolab import initialize
     out = {}
     cases = {
         "tied across units": lambda m: dict(units=[m.tok, m.head]),
@@ -294,7 +291,7 @@ def _fsdp2(name):
         model(*_data(name, model, step, dist.get_rank())).backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters()}
+    return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 @pytest.mark.parametrize("name", ["gpt", "mlp"])

@@ -13,7 +13,7 @@ from zerolab.launch import (Cluster, RankError, RankTimeout, init_from_env, laun
 __version__ = "0.1.0"
 
 # Imported on first use: `import zerolab` stays light for the ranks' start-up.
-_LAZY = {"initialize": "zerolab.engine", "DataParallel": "zerolab.data_parallel",
+_LAZY = {"initialize": "zerolab.stages", "DataParallel": "zerolab.data_parallel",
          "Zero1Optimizer": "zerolab.zero1"}
 
 __all__ = ["Cluster", "RankError", "RankTimeout", "init_from_env", "launch", "rank_device",

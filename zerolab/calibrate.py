@@ -8,7 +8,7 @@ down, and that is part of this machine's profile):
 * link: gloo all_reduce of two sizes; solving the ring's alpha-beta model
   t(S) = 2(N-1)·α + 2(N-1)/N·S/B (:func:`zerolab.cost.ring_time`) for both gives B and α. The same
   for the two halves the ZeRO engines launch instead, each of one phase, t(S) = (N-1)·α + (N-1)/N·S/B:
-  gloo's all_gather and the ring reduce-scatter from send/recv (``zerolab.comm``, impl="ring"); on
+  gloo's all_gather and the ring reduce-scatter from send/recv (``zerolab.ring``, the engines' choice on gloo); on
   gloo they do NOT run at half an all_reduce's time each, and :func:`fit_links` says by how much;
 * compute: the model's forward + backward alone; effective FLOP/s = 6·Ψ·tokens / time (MFU folded in);
 * optimizer: torch AdamW on one flat fp32 tensor, as :class:`zerolab.shard_optim.ShardOptimizer` runs
@@ -79,8 +79,8 @@ def _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel):
     import torch
     import torch.distributed as dist
 
-    from zerolab import comm, models
-    from zerolab.zero1 import REDUCE_SCATTER_IMPL            # what the engines use
+    from zerolab import comm, engine, models
+    impl = engine.default_reduce_impl()                       # what the engines use
     n = dist.get_world_size()
     probes = {}
     for nbytes in sizes:                                      # link: two points of t(S) per op
@@ -89,7 +89,7 @@ def _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel):
         probes[f"all_reduce {buf.numel() * 4}"] = lambda buf=buf: comm.all_reduce(buf)
         probes[f"all_gather {buf.numel() * 4}"] = lambda buf=buf, part=part: comm.all_gather(buf, part)
         probes[f"reduce_scatter {buf.numel() * 4}"] = \
-            lambda buf=buf, part=part: comm.reduce_scatter(part, buf, impl=REDUCE_SCATTER_IMPL)
+            lambda buf=buf, part=part: engine.reduce_scatter(part, buf, impl=impl)
     model = models.build("gpt", seed=0, **model_kwargs)      # compute: forward + backward alone
     x, y = models.batch("gpt", seed=dist.get_rank(), batch_size=batch_size, model=model)
 
@@ -136,7 +136,7 @@ def measure(stages=STAGES, model_kwargs=None, batch_size=BATCH, rounds=6, *, siz
     "schedule": {stage: [(op, bytes)]}, "psi": {stage: Ψ}, "info": {...}, "errors": {stage: msg}}."""
     import zerolab
     from zerolab import models
-    from zerolab.demo import parse_stage
+    from zerolab.stages import parse_stage
     model_kwargs = dict(MODEL if model_kwargs is None else model_kwargs)
     probes, info = _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel)
     engines, errors = {}, {}
@@ -216,7 +216,7 @@ def predict(num_params, spec, world_size, hw, *, tokens, schedule=None, links=No
     ``schedule`` (a list of (op, bytes)) the engine's real collectives instead of the paper's, with
     ``links`` ({op: Hardware}) each collective on its own measured link."""
     from zerolab import cost
-    from zerolab.demo import parse_stage
+    from zerolab.stages import parse_stage
     stage, offload = parse_stage(spec)
     return cost.step_time(num_params, world_size, stage, tokens_per_rank=tokens, hw=hw,
                           offload=offload is not None, overlap=False, grad_bytes=word_bytes,

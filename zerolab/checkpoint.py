@@ -61,31 +61,20 @@ def _names(module):
 
 
 def _slots(engine):
-    """[(optimizer, master, [(name, lo, hi, offset)])]: each fp32 tensor an optimizer steps, with
-    the element ranges [lo, hi) of parameter ``name`` it holds, starting at ``offset`` in it."""
+    """[(optimizer, master, [(name, lo, hi, offset)])]: each tensor an optimizer steps, with the
+    element ranges [lo, hi) of parameter ``name`` it holds, starting at ``offset`` in it, and whether
+    every rank holds the same (then rank 0 writes it). From the engine's public param_slots()."""
     first, _ = _names(engine.module)
-    if engine.stage == 0:                       # a whole tensor per parameter, replicated
-        masters = engine.masters or engine._trainable
-        return [(engine.optimizer, m, [(first[id(p)], 0, p.numel(), 0)])
-                for m, p in zip(masters, engine._trainable)]
-    slots = []
-    for flat, shard_optim, i in engine.shards():
-        lo, hi = flat.shard_range()             # this rank's elements of the flat buffer
-        ranges = []
-        for p, off in zip(flat.params, flat.offsets):
-            a, b = max(lo, off), min(hi, off + p.numel())
-            if a < b:                           # the shard holds elements [a-off, b-off) of p
-                ranges.append((first[id(p)], a - off, b - off, a - lo))
-        slots.append((shard_optim.optimizer, shard_optim.master[i], ranges))
-    return slots
+    return [(s.optimizer, s.master, [(first[id(p)], lo, hi, off) for p, lo, hi, off in s.ranges], s.replicated)
+            for s in engine.param_slots()]
 
 
 def _owned(engine):
     """{name: [(lo, hi, {"param": fp32 values, state key: values})]} of what this rank writes."""
-    if engine.stage == 0 and engine.rank != 0:
-        return {}                               # replicas: rank 0's copy is the checkpoint
     pieces = {}
-    for optimizer, master, ranges in _slots(engine):
+    for optimizer, master, ranges, replicated in _slots(engine):
+        if replicated and engine.rank != 0:
+            continue                            # replicas: rank 0's copy is the checkpoint
         state = optimizer.state.get(master, {})
         flat_state = {k: (v.reshape(-1) if v.dim() else v) for k, v in state.items() if torch.is_tensor(v)}
         m = master.detach().reshape(-1)
@@ -135,17 +124,6 @@ def _broadcast_object(obj, group):
     return box[0]
 
 
-def _quiesce(engine):
-    """Nothing may still be writing the state: a delayed host update (offload) finishes and reaches
-    the device; stage 3's in-flight reduce-scatters land."""
-    if hasattr(engine, "host_optimizers"):
-        engine.flush()
-        for h in engine.host_optimizers():
-            h.wait()
-    if engine.stage == 3:
-        engine._settle()
-
-
 def _persistent_buffers(module):
     """{name: buffer} of the buffers that belong in a state dict (not ``persistent=False`` ones)."""
     keys = set(module.state_dict(keep_vars=True))
@@ -157,7 +135,7 @@ def save(engine, path, *, client_state=None):
     between steps (after ``step()``). ``client_state``: anything picklable to keep with it (data
     loader position, scheduler...), returned by :func:`load`. Returns the metadata dict."""
     from zerolab import __version__
-    _quiesce(engine)
+    engine.quiesce()
     group, rank, n = engine.group, engine.rank, engine.world_size
     folder = pathlib.Path(path)
     if rank == 0:
@@ -186,7 +164,6 @@ def save(engine, path, *, client_state=None):
         "params": {first[id(p)]: {"shape": list(p.shape), "dtype": str(p.dtype)}
                    for p in unique_trainable(engine.module.parameters())},
         "aliases": {a: c for a, c in aliases.items() if a != c},
-        "padding": [flat.padding for flat, _, _ in engine.shards()],
         "files": files,
     }
     if rank == 0:
@@ -290,10 +267,10 @@ def load(engine, path):
     Hyperparameters (lr, betas...) stay those ``engine`` was built with."""
     meta, full, scalars, rank0 = _assemble(path)
     _check_compatible(engine, meta, rank0, path)      # before anything is written: all or nothing
-    _quiesce(engine)
+    engine.quiesce()
     with torch.no_grad():
         states = {}                                                  # optimizer -> {index: state}
-        for optimizer, master, ranges in _slots(engine):
+        for optimizer, master, ranges, _ in _slots(engine):
             m = master.view(-1)
             keysets = [set(full[n]) - {"param"} for n, *_ in ranges]
             if any(k != keysets[0] for k in keysets):
@@ -315,7 +292,7 @@ def load(engine, path):
             sd = optimizer.state_dict()
             sd["state"] = state              # torch casts it to each master's dtype and device
             optimizer.load_state_dict(sd)
-        _write_back(engine)
+        engine.reload_from_masters()                                  # compute params = masters
         named = dict(engine.module.named_parameters())
         for name, value in rank0["frozen"].items():
             named[name].copy_(value)
@@ -348,25 +325,6 @@ def _check_compatible(engine, meta, rank0, path):
     if meta["optimizer"] != engine.optimizer_class.__name__:
         raise CheckpointError(f"{path} holds {meta['optimizer']} state; this engine uses "
                               f"{engine.optimizer_class.__name__}")
-
-
-def _write_back(engine):
-    """Masters were loaded: give the model's compute-dtype parameters the same values."""
-    if engine.stage == 0:
-        if engine.masters is not None:
-            for m, p in zip(engine.masters, engine._trainable):
-                p.copy_(m)
-        return
-    from zerolab import comm
-    for flat, shard_optim, i in engine.shards():
-        if not shard_optim.aliased(i):
-            shard_optim.shards[i].copy_(shard_optim.master[i])     # fp32 -> compute dtype (host -> device)
-    if engine.stage == 3:
-        for u in engine.units:
-            u.stale = u.state != "free"          # a unit kept gathered is re-gathered at next use
-    else:                                        # stages 1-2: full params from every rank's shard
-        for flat, _, _ in engine.shards():
-            comm.all_gather(flat.data, flat.shard(flat.data), group=engine.group)
 
 
 def main(argv=None):

@@ -21,12 +21,20 @@ broadcast                  (N-1)/N * S, pipelined binomial tree: S per child (ro
 send / recv                S / 0                  same
 =========================  =====================  ===========================================
 
-``ideal_bytes`` is the left column, ``sent_bytes`` the right. ``measured_bytes`` comes from the
+``ideal_bytes`` is the left column, ``sent_bytes`` the right. An algorithm built from several calls
+(lesson 00's ring, :mod:`zerolab.ring`) records itself as ONE collective (:func:`composite`). ``measured_bytes`` comes from the
 kernel's per-process write counter (``/proc/self/io``, wchar): every byte gloo hands to a TCP
 socket is counted there, so it is a measurement, not the formula again. It also counts anything
 else the process writes in the region (printing, files): keep logged regions free of I/O.
+
+Timelines: ``log(timeline=tl)`` also records a span on ``tl`` (a :class:`zerolab.timeline.Timeline`)
+for every collective in the region: blocking calls from start to return, asynchronous ones from
+launch to completion, plus a "wait" span for every ``wait()`` on their handle. Compute code marks its
+own spans with :func:`span` (a no-op when no timeline is active). So the algorithms carry no
+instrumentation beyond naming their compute; the engines pass their timeline here.
 """
 import contextlib
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +54,8 @@ class CommRecord:
     ideal_bytes: float    # bytes this rank sends under the bandwidth-optimal ring
     world_size: int
     seconds: float = None  # wall time of a blocking call; None for async_op=True
+    impl: str = "torch"   # "torch" (the backend's collective) or "ring" (zerolab.ring, send/recv)
+    tag: str = None       # what the buffer is ("bucket 3", "blocks.0"): names the timeline span
 
 
 @dataclass
@@ -54,6 +64,7 @@ class CommLog:
     records: list = field(default_factory=list)
     measured_bytes: int = None
     seconds: float = None
+    timeline: object = None   # a zerolab.timeline.Timeline that also gets a span per call, or None
     _io_start: int = None
     _t0: float = None
 
@@ -83,7 +94,34 @@ class CommLog:
         return "\n".join(rows)
 
 
-_ACTIVE = []  # logs currently collecting on this process (nested regions all see each call)
+class _Active:
+    """The logs collecting right now in this process. Process-wide, not per thread, on purpose:
+    gradient hooks may run on autograd's device threads (CUDA), and their collectives belong to the
+    region the training loop opened. The one piece of shared state in comm; changed only by
+    :func:`log`, under a lock."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._logs = ()
+        self._composite = threading.local()   # inside a composite collective on this thread
+
+    def add(self, entry):
+        with self._lock:
+            self._logs = self._logs + (entry,)
+
+    def remove(self, entry):
+        with self._lock:
+            self._logs = tuple(e for e in self._logs if e is not entry)
+
+    def logs(self):
+        return () if getattr(self._composite, "depth", 0) else self._logs
+
+    def timeline(self):
+        """The timeline of the innermost active log that has one, or None."""
+        return next((e.timeline for e in reversed(self._logs) if e.timeline is not None), None)
+
+
+_ACTIVE = _Active()
 
 
 def _written_bytes():
@@ -97,22 +135,78 @@ def _written_bytes():
     return None
 
 
-@contextlib.contextmanager
-def log(group=None):
+class _LogRegion:
+    """What :func:`log` returns: a context manager, also usable as open()/close() across calls (the
+    engine opens its step log at the first forward and closes it in step())."""
+
+    def __init__(self, group, timeline):
+        self.entry = CommLog(timeline=timeline)
+        self._measurable = dist.is_initialized() and dist.get_backend(group) == "gloo"
+
+    def open(self):
+        e = self.entry
+        e._io_start = _written_bytes() if self._measurable else None
+        e._t0 = time.perf_counter()
+        _ACTIVE.add(e)
+        return e
+
+    def close(self):
+        e = self.entry
+        _ACTIVE.remove(e)
+        e.seconds = time.perf_counter() - e._t0
+        end = _written_bytes() if e._io_start is not None else None
+        e.measured_bytes = None if end is None else end - e._io_start
+        return e
+
+    def __enter__(self):
+        return self.open()
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def log(group=None, *, timeline=None):
     """Collect a :class:`CommLog` of every zerolab.comm call in the region, plus the bytes this
-    process really wrote (gloo on Linux; ``measured_bytes`` stays None elsewhere)."""
-    entry = CommLog()
-    measurable = dist.is_initialized() and dist.get_backend(group) == "gloo"
-    entry._io_start = _written_bytes() if measurable else None
-    entry._t0 = time.perf_counter()
-    _ACTIVE.append(entry)
+    process really wrote (gloo on Linux; ``measured_bytes`` stays None elsewhere). With
+    ``timeline``, every call also becomes a span on it."""
+    return _LogRegion(group, timeline)
+
+
+@contextlib.contextmanager
+def composite(op, tensor, group=None, *, impl, tag=None):
+    """Record the calls inside as ONE collective ``op`` on ``tensor`` (the full buffer S), with the
+    ring's bytes, e.g. lesson 00's ring all-reduce built from 2(N-1) sends. Blocking only."""
+    depth = getattr(_ACTIVE._composite, "depth", 0)
+    _ACTIVE._composite.depth = depth + 1
+    t0 = time.perf_counter()
     try:
-        yield entry
+        yield
     finally:
-        _ACTIVE.remove(entry)
-        entry.seconds = time.perf_counter() - entry._t0
-        end = _written_bytes() if entry._io_start is not None else None
-        entry.measured_bytes = None if end is None else end - entry._io_start
+        _ACTIVE._composite.depth = depth
+    n, s = dist.get_world_size(group), tensor.numel() * tensor.element_size()
+    ring = ring_bytes(op, s, n)
+    _record(op, tensor, group, ring, ring, None, t0=t0, impl=impl, tag=tag)
+
+
+# -- compute spans: the algorithms name their compute, comm knows whether anyone listens ----------
+def span(name, category="compute"):
+    """A span on the active log's timeline around the ``with`` block; a no-op without one."""
+    tl = _ACTIVE.timeline()
+    return tl.span(name, category) if tl is not None else contextlib.nullcontext()
+
+
+def clock():
+    """Now on the active timeline (seconds since its origin), or None when none is active: for
+    spans whose start and end happen in different hooks (see :func:`end_span`)."""
+    tl = _ACTIVE.timeline()
+    return None if tl is None else tl.now()
+
+
+def end_span(name, category, start):
+    """Record [``start``, now] on the active timeline (``start`` from :func:`clock`)."""
+    tl = _ACTIVE.timeline()
+    if tl is not None and start is not None:
+        tl.record(name, category, start, tl.now())
 
 
 def ring_bytes(op, nbytes, world_size):
@@ -133,92 +227,99 @@ def _binomial_children(rank, src, n):
     return children
 
 
-def _record(op, tensor, group, sent, ideal, seconds=None):
-    if _ACTIVE:
-        n = dist.get_world_size(group)
-        rec = CommRecord(op, tensor.numel() * tensor.element_size(), sent, ideal, n, seconds)
-        for entry in _ACTIVE:
-            entry.records.append(rec)
+class _Traced:
+    """An async handle whose ``wait()`` is recorded as a "wait" span (only made while a timeline is
+    active); everything else is the handle's own."""
+
+    def __init__(self, work, timeline, name):
+        self._work, self._timeline, self._name = work, timeline, name
+
+    def wait(self, *args, **kwargs):
+        with self._timeline.span(f"wait {self._name}", "wait"):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._work, attr)
 
 
-def _timed(call, async_op):
+def _record(op, tensor, group, sent, ideal, work=None, *, t0=None, impl="torch", tag=None):
+    """Log one call on every active log; give it a span on the active timeline. Returns ``work``
+    (wrapped so that its wait is a span too, when a timeline is active)."""
+    logs = _ACTIVE.logs()
+    if not logs:
+        return work
+    seconds = None if t0 is None else time.perf_counter() - t0
+    rec = CommRecord(op, tensor.numel() * tensor.element_size(), sent, ideal, dist.get_world_size(group),
+                     seconds, impl, tag)
+    for entry in logs:
+        entry.records.append(rec)
+    tl = _ACTIVE.timeline()
+    if tl is None or op in ("send", "recv"):
+        return work
+    name = f"{op} {tag}" if tag else op
+    if work is not None:
+        tl.mark_async(name, "comm", work)
+        return _Traced(work, tl, tag or op)
+    tl.record(name, "comm", t0 - tl.t0, t0 - tl.t0 + seconds)
+    return work
+
+
+def _call(call, async_op):
+    """Run a torch collective; (handle or None, start time of a blocking call or None)."""
     if async_op:
         return call(), None
     t0 = time.perf_counter()
-    work = call()
-    return work, time.perf_counter() - t0
+    return call(), t0
 
 
 def _backend(group):
     return dist.get_backend(group)
 
 
-def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, *, tag=None):
     """In-place all-reduce (sum by default) of ``tensor`` across the group."""
     n = dist.get_world_size(group)
-    work, secs = _timed(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
-    s = tensor.numel() * tensor.element_size()
-    _record("all_reduce", tensor, group, ring_bytes("all_reduce", s, n), ring_bytes("all_reduce", s, n), secs)
-    return work
+    work, t0 = _call(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+    s = ring_bytes("all_reduce", tensor.numel() * tensor.element_size(), n)
+    return _record("all_reduce", tensor, group, s, s, work, t0=t0, tag=tag)
 
 
-def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, impl="torch"):
+def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, *, tag=None):
     """``output`` (1/N of ``input``) receives the sum over ranks of this rank's slice of ``input``.
-    On gloo torch emulates this with an all_reduce of the whole input: twice the ring's bytes.
-
-    ``impl="ring"`` runs :func:`zerolab.ring.ring_reduce_scatter` instead (send/recv only, sum only,
-    blocking): the ring's (N-1)/N bytes, recorded as one reduce_scatter record (its inner sends are
-    not recorded separately). On gloo it is the faster of the two for large buffers (benchmarks)."""
+    On gloo torch emulates this with an all_reduce of the whole input: twice the ring's bytes
+    (:func:`zerolab.ring.ring_reduce_scatter` sends the ring's (N-1)/N, from send/recv)."""
     n = dist.get_world_size(group)
-    if impl not in ("torch", "ring"):
-        raise ValueError(f"reduce_scatter: impl={impl!r} is not supported: use 'torch' or 'ring'")
     if input.numel() != n * output.numel():
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected world_size "
                          f"({n}) x output ({output.numel()}) = {n * output.numel()}")
     s = input.numel() * input.element_size()
-    if impl == "ring":
-        if async_op or op != dist.ReduceOp.SUM:
-            raise ValueError("reduce_scatter: impl='ring' is blocking and sums only "
-                             f"(got async_op={async_op!r}, op={op!r})")
-        from zerolab.ring import ring_reduce_scatter
-        t0, saved = time.perf_counter(), list(_ACTIVE)
-        _ACTIVE.clear()  # the ring's own sends are this one record, not separate ones
-        try:
-            ring_reduce_scatter(output, input, group)
-        finally:
-            _ACTIVE[:] = saved
-        ring = ring_bytes("reduce_scatter", s, n)
-        _record("reduce_scatter", input, group, ring, ring, time.perf_counter() - t0)
-        return None
-    work, secs = _timed(lambda: _reduce_scatter_flat(output, input, op=op, group=group,
-                                                     async_op=async_op), async_op)
+    work, t0 = _call(lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
+                     async_op)
     real_op = "all_reduce" if _backend(group) == "gloo" else "reduce_scatter"
-    _record("reduce_scatter", input, group, ring_bytes(real_op, s, n), ring_bytes("reduce_scatter", s, n), secs)
-    return work
+    return _record("reduce_scatter", input, group, ring_bytes(real_op, s, n), ring_bytes("reduce_scatter", s, n),
+                   work, t0=t0, tag=tag)
 
 
-def all_gather(output, input, group=None, async_op=False):
+def all_gather(output, input, group=None, async_op=False, *, tag=None):
     """``output`` (N x ``input``) receives every rank's ``input``, in rank order."""
     n = dist.get_world_size(group)
     if output.numel() != n * input.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected world_size "
                          f"({n}) x input ({input.numel()}) = {n * input.numel()}")
-    work, secs = _timed(lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op)
-    s = output.numel() * output.element_size()
-    _record("all_gather", output, group, ring_bytes("all_gather", s, n), ring_bytes("all_gather", s, n), secs)
-    return work
+    work, t0 = _call(lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op)
+    s = ring_bytes("all_gather", output.numel() * output.element_size(), n)
+    return _record("all_gather", output, group, s, s, work, t0=t0, tag=tag)
 
 
-def broadcast(tensor, src, group=None, async_op=False):
+def broadcast(tensor, src, group=None, async_op=False, *, tag=None):
     """Copy ``tensor`` from rank ``src`` to every rank."""
     n = dist.get_world_size(group)
-    work, secs = _timed(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
+    work, t0 = _call(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
     s = tensor.numel() * tensor.element_size()
     rank = dist.get_rank(group)
     group_src = src if group is None else dist.get_group_rank(group, src)  # src is a global rank
     sent = _binomial_children(rank, group_src, n) * s if _backend(group) == "gloo" else ring_bytes("broadcast", s, n)
-    _record("broadcast", tensor, group, sent, ring_bytes("broadcast", s, n), secs)
-    return work
+    return _record("broadcast", tensor, group, sent, ring_bytes("broadcast", s, n), work, t0=t0, tag=tag)
 
 
 def isend(tensor, dst, group=None):

@@ -21,8 +21,8 @@ Bytes per rank per step, both ways: a ring all-reduce of the Ψ-element gradient
 2(N-1)/N x Ψ x (bytes per element) (reduce-scatter + all-gather, Sec. 7 of the ZeRO paper).
 
 :class:`DataParallel` wraps a module in the plain torch idiom (call
-``finish_gradient_synchronization()`` after backward); :class:`DataParallelEngine` is stage 0 of
-``zerolab.initialize``.
+``finish_gradient_synchronization()`` after backward); :mod:`zerolab.zero0` builds stage 0 of
+``zerolab.initialize`` on it.
 """
 import contextlib
 
@@ -31,9 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zerolab import comm
-from zerolab.engine import Engine
 from zerolab.flat import unique_trainable
-from zerolab.timeline import maybe_span
 
 
 def _global_rank(group, rank):
@@ -119,8 +117,8 @@ class BucketedGradSync:
     flight it would race with the network, so we raise instead of averaging the wrong numbers.
     """
 
-    def __init__(self, module, *, bucket_bytes, group=None, timeline=None):
-        self.group, self.timeline = group, timeline
+    def __init__(self, module, *, bucket_bytes, group=None):
+        self.group = group
         self.world_size = dist.get_world_size(group)
         self.names = {id(p): n for n, p in module.named_parameters()}
         params = unique_trainable(module.parameters())
@@ -178,9 +176,7 @@ class BucketedGradSync:
         # Divide first, then sum: Σ_r g_r/N is the mean, and fp16 sums cannot overflow
         # (torch DDP's default comm hook does the same).
         bucket.buffer.div_(self.world_size)
-        work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        if self.timeline is not None:
-            self.timeline.mark_async(f"all_reduce bucket {bucket.index}", "comm", work)
+        work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True, tag=f"bucket {bucket.index}")
         self._inflight.append(work)
         self._next += 1
 
@@ -191,9 +187,8 @@ class BucketedGradSync:
             return
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
-        with maybe_span(self.timeline, "wait for all-reduce", "wait"):
-            for work in self._inflight:
-                work.wait()
+        for work in self._inflight:
+            work.wait()
         self._new_round()
 
     def zero_grad(self):
@@ -220,11 +215,11 @@ class DataParallel(nn.Module):
 
     Construction broadcasts rank 0's parameters and buffers to every rank. For gradient
     accumulation run the micro-steps inside ``with model.no_sync():``; the first synchronised
-    backward after them averages the accumulated sum. ``timeline`` (a zerolab.timeline.Timeline)
-    records each bucket's all-reduce as a span.
+    backward after them averages the accumulated sum. To see each bucket's all-reduce as a span,
+    run the step inside ``with zerolab.comm.log(timeline=tl):``.
     """
 
-    def __init__(self, module, bucket_bytes=None, *, group=None, broadcast=True, timeline=None):
+    def __init__(self, module, bucket_bytes=None, *, group=None, broadcast=True):
         super().__init__()
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
             raise ValueError(f"bucket_bytes must be a positive int or None (naive), got {bucket_bytes!r}")
@@ -234,20 +229,9 @@ class DataParallel(nn.Module):
         self.module, self.group, self.bucket_bytes = module, group, bucket_bytes
         if broadcast:
             broadcast_module(module, group=group)
-        self.sync = (BucketedGradSync(module, bucket_bytes=bucket_bytes, group=group, timeline=timeline)
+        self.sync = (BucketedGradSync(module, bucket_bytes=bucket_bytes, group=group)
                      if bucket_bytes is not None else None)
-        self._timeline = timeline
         self._sync_enabled = True
-
-    @property
-    def timeline(self):
-        return self._timeline
-
-    @timeline.setter
-    def timeline(self, tl):
-        self._timeline = tl
-        if self.sync is not None:
-            self.sync.timeline = tl
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -273,8 +257,7 @@ class DataParallel(nn.Module):
         if self.sync is not None:
             self.sync.finish()
         else:
-            with maybe_span(self._timeline, "all_reduce every grad (naive)", "comm"):
-                allreduce_gradients(self.module.parameters(), group=self.group)
+            allreduce_gradients(self.module.parameters(), group=self.group)
 
     def zero_grad(self, set_to_none=True):
         """Bucketed: zero the buckets in place (grads stay bucket views, whatever set_to_none
@@ -283,101 +266,3 @@ class DataParallel(nn.Module):
             self.sync.zero_grad()
         else:
             super().zero_grad(set_to_none=set_to_none)
-
-
-def _cast_floats(obj, dtype):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
-    return obj
-
-
-class DataParallelEngine(Engine):
-    """Stage 0 of ``zerolab.initialize``: a full replica of everything on every rank.
-
-    Per rank, Ψ trainable parameters, Adam: fp32 training holds params 4Ψ + grads 4Ψ + moments
-    8Ψ; ``param_dtype=torch.bfloat16`` holds 2Ψ + 2Ψ + fp32 master 4Ψ + moments 8Ψ; both 16Ψ,
-    the (2 + 2 + K)Ψ baseline of the ZeRO paper (Sec. 3.1, K = 12). ``bucket_bytes=None`` selects
-    the naive sync. ``backward`` returns with averaged gradients (as torch DDP's backward does).
-    """
-
-    stage = 0
-
-    def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, offload, bucket_bytes, group):
-        super().__init__(module, optimizer=optimizer, opt_kwargs=opt_kwargs, param_dtype=param_dtype,
-                         offload=offload, bucket_bytes=bucket_bytes, group=group)
-        if offload is not None:
-            raise ValueError(f"offload={offload!r} is not supported by stage 0 (data parallel)")
-        broadcast_module(module, group=group)     # every rank starts from rank 0's weights
-        trainable = unique_trainable(module.parameters())
-        self.masters = None
-        if param_dtype in (torch.bfloat16, torch.float16):
-            # Mixed precision: fp32 master weights (4Ψ) taken BEFORE the cast, so nothing is lost;
-            # the model computes in 2-byte params and grads (2Ψ + 2Ψ).
-            self.masters = [p.detach().float().clone() for p in trainable]
-        if param_dtype is not None:
-            module.to(param_dtype)
-        self.ddp = DataParallel(module, bucket_bytes=bucket_bytes, group=group, broadcast=False)
-        self.optimizer = optimizer(self.masters if self.masters is not None else trainable, **self.opt_kwargs)
-        self._trainable = trainable
-        self._timeline = None
-
-    @property
-    def timeline(self):
-        """Set to a zerolab.timeline.Timeline to record forward/backward/all-reduce/step spans."""
-        return self._timeline
-
-    @timeline.setter
-    def timeline(self, tl):
-        self._timeline = self.ddp.timeline = tl
-
-    def forward(self, *args, **kwargs):
-        if self.param_dtype is not None:
-            args, kwargs = _cast_floats(args, self.param_dtype), _cast_floats(kwargs, self.param_dtype)
-        with maybe_span(self._timeline, "forward", "compute"):
-            return self.ddp(*args, **kwargs)
-
-    def _backward(self, loss):
-        with maybe_span(self._timeline, "backward compute", "compute"):
-            loss.backward()                 # bucketed: all-reduces start from the hooks in here
-        self.ddp.finish_gradient_synchronization()
-
-    def _step(self):
-        with maybe_span(self._timeline, "optimizer step", "optimizer"):
-            if self.masters is not None:
-                for m, p in zip(self.masters, self._trainable):
-                    m.grad = None if p.grad is None else p.grad.float()   # transient 4Ψ
-            self.optimizer.step()
-            if self.masters is not None:
-                with torch.no_grad():
-                    for m, p in zip(self.masters, self._trainable):
-                        p.copy_(m)          # round the fp32 master down to the compute dtype
-                        m.grad = None
-
-    def zero_grad(self):
-        self.ddp.zero_grad()
-
-    def no_sync(self):
-        return self.ddp.no_sync()
-
-    def full_state_dict(self):
-        """{name: tensor}: the fp32 master under mixed precision, else the parameter's own dtype
-        (a float64 model stays float64). Tied weights appear once, frozen parameters included."""
-        masters = dict(zip(map(id, self._trainable), self.masters or []))
-        return {n: masters.get(id(p), p).detach().clone().to(
-                    torch.float32 if self.masters is not None else p.dtype)
-                for n, p in self.module.named_parameters()}
-
-    def state_tensors(self):
-        """The same conventions as the ZeRO stages: frozen parameters under their own kind, and only
-        per-element optimizer state (Adam's 0-dim step counters are not per-parameter memory)."""
-        grads = ([b.buffer for b in self.ddp.sync.buckets] if self.ddp.sync is not None
-                 else [p.grad for p in self._trainable])
-        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
-        trainable = {id(p) for p in self._trainable}
-        frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable]
-        return {"params": list(self._trainable), "grads": grads, "optimizer": opt,
-                "master": list(self.masters or []), "frozen": frozen}

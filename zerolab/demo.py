@@ -21,17 +21,10 @@ import torch.distributed as dist
 import zerolab
 from zerolab import cost, models
 from zerolab.memory import model_state_bytes
-from zerolab.timeline import Timeline
+from zerolab.stages import parse_stage
+from zerolab.timeline import Timeline, maybe_span
 
 DEFAULT_STAGES = ("0", "1", "2", "3", "2+offload")
-
-
-def parse_stage(spec):
-    """'2' -> (2, None); '2+offload' -> (2, 'optimizer')."""
-    stage, _, extra = spec.partition("+")
-    if stage not in ("0", "1", "2", "3") or extra not in ("", "offload"):
-        raise ValueError(f"stage {spec!r}: use 0, 1, 2, 3, optionally with +offload (e.g. 2+offload)")
-    return int(stage), ("optimizer" if extra else None)
 
 
 def _setup(spec, model_kwargs, lr, param_dtype):
@@ -51,11 +44,11 @@ def _step(step, batch_size, last):
     dist.barrier()
     tl = Timeline() if last else None
     t0 = time.perf_counter()
-    with _span(tl, "forward", "forward"):
+    with maybe_span(tl, "forward", "forward"):
         loss = engine(x, y)
-    with _span(tl, "backward", "backward + gradient comm"):
+    with maybe_span(tl, "backward", "backward + gradient comm"):
         engine.backward(loss)
-    with _span(tl, "optimizer step", "optimizer step + param comm"):
+    with maybe_span(tl, "optimizer step", "optimizer step + param comm"):
         engine.step()
     if last:
         # after the step, before zero_grad: params, grads and optimizer states all exist, the
@@ -73,11 +66,6 @@ def _step(step, batch_size, last):
 
 PHASE_COLORS = {"forward": "tab:blue", "backward + gradient comm": "tab:orange",
                 "optimizer step + param comm": "tab:green"}
-
-
-def _span(tl, name, category):
-    import contextlib
-    return tl.span(name, category) if tl is not None else contextlib.nullcontext()
 
 
 def _report():

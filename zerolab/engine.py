@@ -1,73 +1,268 @@
-"""The training engine: one API for data parallelism (stage 0), ZeRO stages 1-3 and CPU offload.
+"""The machinery under every stage: the :class:`Engine` base class, what the sharded stages share
+(:class:`ShardedEngine`), the one place where options are checked, and the reduce-scatter chooser.
 
-Modelled on DeepSpeed's engine so the skills transfer::
+The stages are siblings that import only this module and the primitives (``comm``, ``flat``,
+``shard_optim``): ``zero0`` (data parallelism), ``zero1``, ``zero2``, ``zero3``; ``offload`` adds
+ZeRO-Offload on top of each; :func:`zerolab.initialize` (in :mod:`zerolab.stages`) picks the class
+from a static table. Every engine has the same surface, modelled on DeepSpeed's engine::
 
-    engine = zerolab.initialize(model, stage=2, optimizer=torch.optim.AdamW, lr=1e-3,
-                                param_dtype=torch.bfloat16)
     loss = engine(x, y)          # forward
     engine.backward(loss)        # gradients (synchronised or sharded, by stage)
     engine.step()                # optimizer step on what this rank owns
     engine.zero_grad()
-    engine.full_state_dict()     # full fp32 parameters on every rank
-    engine.memory_report()       # this rank's model-state bytes by kind and device
+    engine.optimizer             # a torch.optim.Optimizer: LR schedulers work unchanged
+    engine.full_state_dict()     # full parameters on every rank, loadable into the plain model
+    engine.memory_report()       # this rank's model-state bytes {kind: {device: bytes}}
     engine.last_step_comm        # zerolab.comm.CommLog of the last step
+    engine.timeline = Timeline() # record compute and communication spans of the next steps
 
-Each stage is a subclass of :class:`Engine` in its own module (``data_parallel``, ``zero1``,
-``zero2``, ``zero3``); :func:`initialize` validates the options once and picks the class.
+Checkpoints (:mod:`zerolab.checkpoint`) use only the public methods :meth:`Engine.quiesce`,
+:meth:`Engine.param_slots` and :meth:`Engine.reload_from_masters`, so a new stage that provides them
+saves and loads without touching the checkpoint code.
 """
+import contextlib
+import inspect
+import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from zerolab import comm
+from zerolab import checkpoint, comm
+from zerolab.flat import unique_trainable
+from zerolab.launch import rank_device
 from zerolab.memory import storage_bytes_by_kind
+from zerolab.ring import ring_reduce_scatter
+from zerolab.shard_optim import ShardOptimizer, master_dtype
 
-STAGES = (0, 1, 2, 3)
-OFFLOADS = (None, "optimizer")
-# Optimizers whose update is elementwise, so that running it on a flat shard of the parameters
-# is the same math as running it on the whole parameters (what ZeRO's partitioning relies on).
+REDUCE_IMPLS = ("torch", "ring")
+PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+# Optimizers whose update is elementwise, so that running it on a flat shard of the parameters is
+# the same math as running it on the whole parameters (what ZeRO's partitioning relies on).
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
+# -- options: declared by each engine class, checked here, once ---------------------------------
+@dataclass(frozen=True)
+class Option:
+    """A stage-specific keyword of ``initialize``: its default, a test of a value, and the accepted
+    values in words (for the error message)."""
+    default: object
+    valid: str
+    check: object = None          # value -> bool; None accepts anything
+
+    def accepts(self, value):
+        return self.check is None or self.check(value)
+
+
+def is_flag(v):
+    return v is True or v is False
+
+
+def is_count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _optimizer_arguments(optimizer_class):
+    """The keyword arguments ``optimizer_class.__init__`` accepts besides params (and lr)."""
+    sig = inspect.signature(optimizer_class.__init__)
+    return {name for name, p in sig.parameters.items()
+            if name not in ("self", "params", "lr") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def split_options(engine_class, kwargs, optimizer_class, *, others=()):
+    """Split ``initialize``'s extra keywords into the engine's own options (checked, defaults filled
+    in) and the optimizer's arguments. Raises ValueError naming an unknown or bad option and the
+    valid ones. ``others``: [(label, engine class)] of the other engines, to say where an option of
+    another stage belongs."""
+    options = {name: spec.default for name, spec in engine_class.OPTIONS.items()}
+    opt_kwargs, accepted = {}, _optimizer_arguments(optimizer_class)
+    for name, value in kwargs.items():
+        spec = engine_class.OPTIONS.get(name)
+        if spec is not None:
+            if not spec.accepts(value):
+                raise ValueError(f"{name}={value!r} is not valid for {engine_class.label()}: {spec.valid}")
+            options[name] = value
+        elif name in accepted:
+            opt_kwargs[name] = value
+        else:
+            owners = sorted({label for label, cls in others if name in cls.OPTIONS})
+            where = f"; it is an option of {', '.join(owners)}" if owners else ""
+            raise ValueError(f"unknown option {name!r} for {engine_class.label()}{where}. Valid: the engine's "
+                             f"options {sorted(engine_class.OPTIONS) or '(none)'} and {optimizer_class.__name__}'s "
+                             f"arguments {sorted(accepted)}")
+    return options, opt_kwargs
+
+
+def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, reduce_impl, group):
+    """ValueError naming the first bad value of the options every stage shares."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
+                         f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "
+                         f"owns; pass its arguments to initialize (lr=..., weight_decay=...)")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
+    if stage > 0 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise ValueError(f"stage {stage} shards the optimizer over flat parameter slices, which is "
+                         f"exact only for elementwise optimizers ({names}); got {optimizer.__name__}")
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"{optimizer.__name__} needs a closure in step() (it re-evaluates the loss): the "
+                         f"engine steps without one; use an elementwise optimizer such as torch.optim.AdamW")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"lr must be a finite positive number, got {lr!r}")
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype={param_dtype!r} is not supported: None (keep the model's), "
+                         f"torch.float32, torch.bfloat16 or torch.float16")
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                     or bucket_bytes <= 0):
+        raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+    if reduce_impl not in (None,) + REDUCE_IMPLS:
+        raise ValueError(f"reduce_impl={reduce_impl!r} is not supported: None (the backend's best), "
+                         f"'torch' or 'ring'")
+    if not dist.is_initialized():
+        raise ValueError("no process group: call zerolab.initialize inside zerolab.launch / "
+                         "zerolab.Cluster.run, or under torchrun after zerolab.init_from_env()")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if bad:
+        raise ValueError(f"parameters must be floating point; not so: {bad}")
+    n, numel = dist.get_world_size(group), sum(p.numel() for p in unique_trainable(model.parameters()))
+    if stage > 0 and n > numel:
+        warnings.warn(f"world_size={n} is more ranks than the model has trainable elements ({numel}): "
+                      f"{n - numel} rank(s) own only zero padding. Sharding cannot save memory here; "
+                      f"use fewer ranks or a larger model", UserWarning, stacklevel=3)
+
+
+# -- collectives the stages share ---------------------------------------------------------------
+def default_reduce_impl(group=None):
+    """Which reduce-scatter the engines use: torch's on NCCL (a native one), lesson 00's ring from
+    send/recv on gloo, where torch emulates reduce-scatter with a full all-reduce (2x the bytes; the
+    ring measured faster for large buffers: lesson 04, benchmarks/bench_zero12.py)."""
+    return "torch" if dist.get_backend(group) == "nccl" else "ring"
+
+
+def reduce_scatter(output, input, *, group=None, impl="torch", async_op=False, tag=None):
+    """The reduce-scatter chooser: sum over ranks of this rank's slice of ``input`` into ``output``,
+    with torch's collective (``impl='torch'``, may be asynchronous: returns its handle) or lesson 00's
+    ring (``impl='ring'``, blocking: returns None; (N-1)/N of the bytes on gloo)."""
+    if impl == "ring":
+        ring_reduce_scatter(output, input, group, tag=tag)
+        return None
+    if impl != "torch":
+        raise ValueError(f"reduce_scatter: impl={impl!r} is not supported: use 'torch' or 'ring'")
+    return comm.reduce_scatter(output, input, group=group, async_op=async_op, tag=tag)
+
+
+def gather_full(flat, shard, group=None):
+    """All-gather ``shard`` (this rank's slice, any dtype and device) into a new full buffer laid out
+    like ``flat``: how full fp32 parameters are rebuilt from fp32 master shards."""
+    full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=flat.device)
+    comm.all_gather(full, shard.to(flat.device), group=group)
+    return full
+
+
+class _TracedCalls:
+    def __init__(self, obj, after):
+        self._obj, self._after = obj, after
+
+    def __getattr__(self, name):
+        fn = getattr(self._obj, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            self._after(name, args[0] if args else None)
+            return out
+        return call
+
+
+def traced(obj, after):
+    """``obj`` seen through a proxy whose every function call is followed by ``after(name, first
+    argument)``: instrumentation around an algorithm's primitives, outside its lines."""
+    return _TracedCalls(obj, after)
+
+
+@dataclass
+class Slot:
+    """One tensor an optimizer steps (``master``: the fp32 master, or the parameter itself) and the
+    element ranges of parameters it holds: ``ranges`` = [(param, lo, hi, offset)], elements [lo, hi)
+    of ``param`` at ``offset`` in ``master``. ``replicated``: every rank holds the same (stage 0)."""
+    optimizer: torch.optim.Optimizer
+    master: torch.Tensor
+    ranges: list
+    replicated: bool = False
+
+
 class Engine:
-    """Common machinery. Subclasses implement ``_backward``, ``_step``, ``zero_grad``,
-    ``full_state_dict`` and ``state_tensors`` (and may override ``forward``)."""
+    """What every stage provides. Subclasses implement ``_backward``, ``_step``, ``zero_grad``,
+    ``no_sync``, ``state_tensors``, ``_full_params``, ``param_slots`` and ``reload_from_masters``, and
+    set ``self.optimizer`` (a torch optimizer over what this rank steps)."""
 
     stage = None
+    offloaded = False             # True for the ZeRO-Offload engines (zerolab.offload)
+    OPTIONS = {}                  # stage-specific keywords of initialize: {name: Option}
+    host_kinds = ()               # kinds of state that live on the host (offload engines)
 
-    def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, offload, bucket_bytes, group):
+    def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, bucket_bytes, reduce_impl=None,
+                 group=None):
         self.module = module
         self.optimizer_class = optimizer
         self.opt_kwargs = dict(opt_kwargs)
         self.param_dtype = param_dtype
-        self.offload = offload
         self.bucket_bytes = bucket_bytes
         self.group = group
+        self._reduce_impl = reduce_impl or default_reduce_impl(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.timeline = None          # a zerolab.timeline.Timeline: spans of every later step
         self.last_step_comm = None
-        self.steps = 0                  # optimizer steps taken (saved and restored by checkpoints)
-        self._step_log = None
-        self._log_cm = None
+        self.steps = 0                # optimizer steps taken (saved and restored by checkpoints)
+        self.optimizer = None
+        self._region = None
 
-    # -- the per-step comm log: opened at the first forward after a step, closed by step() --
+    @classmethod
+    def label(cls):
+        return f"stage {cls.stage}" + (" + offload" if cls.offloaded else "")
+
+    @property
+    def reduce_impl(self):
+        """'ring' or 'torch': the reduce-scatter this engine uses (initialize's ``reduce_impl``)."""
+        return self._reduce_impl
+
+    @property
+    def offload(self):
+        """'optimizer' for the ZeRO-Offload engines, else None (initialize's ``offload``)."""
+        return "optimizer" if self.offloaded else None
+
+    @property
+    def param_groups(self):
+        """The optimizer's param groups (set 'lr' here, or hand ``engine.optimizer`` to a scheduler)."""
+        return self.optimizer.param_groups
+
+    # -- one step; its communication is logged from the first forward to the step ------------
     def _open_step_log(self):
-        if self._log_cm is None:
-            self._log_cm = comm.log(self.group)
-            self._step_log = self._log_cm.__enter__()
+        if self._region is None:
+            self._region = comm.log(self.group, timeline=self.timeline)
+            self._region.open()
 
     def _close_step_log(self):
-        if self._log_cm is not None:
-            self._log_cm.__exit__(None, None, None)
-            self.last_step_comm, self._log_cm = self._step_log, None
+        if self._region is not None:
+            self.last_step_comm, self._region = self._region.close(), None
 
     def __call__(self, *args, **kwargs):
         self._open_step_log()
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        with comm.span("forward"):
+            return self.module(*args, **kwargs)
 
     def backward(self, loss):
         self._open_step_log()
@@ -79,25 +274,7 @@ class Engine:
         self.steps += 1
         self._close_step_log()
 
-    # -- checkpoints: zerolab.checkpoint does the work, for every stage -----------------------
-    def save_checkpoint(self, path, client_state=None):
-        """Write this rank's shard of the training state to the folder ``path`` (every rank must
-        call it). See :func:`zerolab.checkpoint.save`."""
-        from zerolab import checkpoint
-        return checkpoint.save(self, path, client_state=client_state)
-
-    def load_checkpoint(self, path):
-        """Load a checkpoint written by any number of ranks at any stage; returns its client_state.
-        See :func:`zerolab.checkpoint.load`."""
-        from zerolab import checkpoint
-        return checkpoint.load(self, path)
-
-    def shards(self):
-        """[(FlatParams, ShardOptimizer, i)]: the flat buffers this rank owns a shard of, with the
-        optimizer holding master i of that shard. Empty for data parallelism (nothing is sharded)."""
-        return []
-
-    # -- what every stage provides ---------------------------------------------------------
+    # -- what every stage provides -----------------------------------------------------------
     def _backward(self, loss):
         raise NotImplementedError
 
@@ -112,103 +289,167 @@ class Engine:
         skips communication; the first backward() outside it synchronises the sum (torch DDP's idiom)."""
         raise NotImplementedError
 
-    def full_state_dict(self):
-        """{name: full fp32 tensor} of the model's parameters, identical on every rank."""
+    def state_tensors(self):
+        """{kind: [tensors]} of what this rank holds, kinds from zerolab.memory.KINDS (+ 'frozen')."""
         raise NotImplementedError
 
-    def state_tensors(self):
-        """{kind: [tensors]} of what this rank holds, kinds from zerolab.memory.KINDS."""
+    def _full_params(self):
+        """{id(param): full tensor in the master's dtype} for every trainable parameter. A collective."""
         raise NotImplementedError
+
+    def param_slots(self):
+        """[Slot] of every tensor this rank's optimizer steps (for checkpoints)."""
+        raise NotImplementedError
+
+    def reload_from_masters(self):
+        """The masters were changed from outside (a checkpoint load): make the compute parameters
+        equal to them on every rank. A collective."""
+        raise NotImplementedError
+
+    def quiesce(self):
+        """Finish everything still in flight (asynchronous collectives, a delayed host update) so that
+        parameters, masters and optimizer state can be read or written. A collective."""
 
     def padding_bytes(self):
         """Bytes of zero padding included in state_tensors() (flat buffers rounded up to N)."""
         return 0
 
-    # Kinds of state that live on the host under offload (ZeRO-Offload, arXiv 2101.06840: fp32
-    # master and Adam moments go to the host; the offload engines extend this with their grads).
-    host_kinds = ()
-
-    def placement(self):
-        """{'device': bytes, 'host': bytes} of this rank's model states BY ROLE: what would sit on
-        the accelerator and what on the host. On a CPU-only machine both are the same memory, so
-        the split comes from the design (``host_kinds``), not from tensor.device."""
-        report = storage_bytes_by_kind(self.state_tensors())
-        out = {"device": 0, "host": 0}
-        for kind, per_device in report.items():
-            out["host" if self.offload and kind in self.host_kinds else "device"] += sum(per_device.values())
+    # -- what is derived from the above ------------------------------------------------------
+    def full_state_dict(self):
+        """{name: tensor} of every parameter, full size and identical on every rank: trained ones from
+        their master (fp32; fp64 for fp64 models), frozen ones in their own dtype's master dtype. Tied
+        names are all there, sharing one tensor (as torch's state_dict): ``model.load_state_dict``
+        with strict=True takes it. A collective: every rank calls it."""
+        full = self._full_params()
+        out = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            if id(p) not in full:
+                full[id(p)] = p.detach().to(master_dtype(p.dtype)).clone()   # frozen: replicated
+            out[name] = full[id(p)]
         return out
 
     def memory_report(self):
-        """This rank's model-state bytes: {kind: {device: bytes}} plus 'padding': bytes."""
-        report = storage_bytes_by_kind(self.state_tensors())
-        report["padding"] = self.padding_bytes()
-        return report
+        """This rank's model-state bytes: {kind: {device type: bytes}}, each storage counted once."""
+        return storage_bytes_by_kind(self.state_tensors())
+
+    def placement(self):
+        """{'device': bytes, 'host': bytes} of this rank's model states BY ROLE: what would sit on
+        the accelerator and what on the host (``host_kinds``). On a CPU-only machine both are the same
+        memory: this is accounting of the design; ``memory_report`` says where tensors really are."""
+        out = {"device": 0, "host": 0}
+        for kind, per_device in self.memory_report().items():
+            out["host" if kind in self.host_kinds else "device"] += sum(per_device.values())
+        return out
+
+    # -- checkpoints: zerolab.checkpoint does the work, for every stage -----------------------
+    def save_checkpoint(self, path, client_state=None):
+        """Write this rank's shard of the training state to the folder ``path`` (every rank must
+        call it). See :func:`zerolab.checkpoint.save`."""
+        return checkpoint.save(self, path, client_state=client_state)
+
+    def load_checkpoint(self, path):
+        """Load a checkpoint written by any number of ranks at any stage; returns its client_state.
+        See :func:`zerolab.checkpoint.load`."""
+        return checkpoint.load(self, path)
 
 
-def _validate(model, stage, optimizer, lr, param_dtype, offload, bucket_bytes, group):
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if stage not in STAGES:
-        raise ValueError(f"stage={stage!r} is not supported: choose one of {STAGES}")
-    if offload not in OFFLOADS:
-        raise ValueError(f"offload={offload!r} is not supported: choose one of {OFFLOADS}")
-    if offload is not None and stage == 0:
-        raise ValueError("offload='optimizer' needs a sharded optimizer: use stage 1, 2 or 3 "
-                         "(ZeRO-Offload offloads each rank's partition)")
-    if isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
-                         f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "
-                         f"owns; pass its arguments to initialize (lr=..., weight_decay=...)")
-    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        raise ValueError(f"optimizer must be a torch.optim.Optimizer class, got {optimizer!r}")
-    if stage > 0 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
-        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise ValueError(f"stage {stage} shards the optimizer over flat parameter slices, which is "
-                         f"exact only for elementwise optimizers ({names}); got {optimizer.__name__}")
-    if not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"lr must be a positive number, got {lr!r}")
-    if param_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"param_dtype={param_dtype!r} is not supported: None (keep the model's), "
-                         f"torch.float32, torch.bfloat16 or torch.float16")
-    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
-        raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
-    if not dist.is_initialized():
-        raise ValueError("no process group: call zerolab.initialize inside zerolab.launch / "
-                         "zerolab.Cluster.run, or under torchrun after zerolab.init_from_env()")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
-    bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
-    if bad:
-        raise ValueError(f"parameters must be floating point; not so: {bad}")
-    n, numel = dist.get_world_size(group), sum(p.numel() for p in dict.fromkeys(model.parameters()) if p.requires_grad)
-    if stage > 0 and n > numel:
-        warnings.warn(f"world_size={n} is more ranks than the model has trainable elements ({numel}): "
-                      f"{n - numel} rank(s) own only zero padding. Sharding cannot save memory here; "
-                      f"use fewer ranks or a larger model", UserWarning, stacklevel=3)
+def cast_floats(obj, dtype):
+    """``obj`` (a tensor, or a list/tuple/dict of them) with its floating tensors cast to ``dtype``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
 
 
-def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dtype=None,
-               offload=None, bucket_bytes=25 * 2**20, group=None, **opt_kwargs):
-    """Wrap ``model`` in the engine for ``stage`` (0 = data parallel, 1/2/3 = ZeRO) on ``group``.
+class ShardedEngine(Engine):
+    """What the ZeRO stages share: the compute dtype and its casts (trainable parameters are packed by
+    the subclass; frozen ones and floating buffers are cast here), no_sync, and everything derived from
+    ``shards()`` = [(FlatParams, ShardOptimizer, i)]: this rank's shard i of each flat buffer and the
+    optimizer stepping it. Frozen parameters are reported under their own kind, 'frozen' (replicated,
+    no grads, no optimizer state), so that 'params' + 'grads' + 'master' + 'optimizer' is exactly what
+    the ZeRO formulas count.
 
-    ``optimizer`` is a class (built by the engine on what this rank owns), ``lr`` and
-    ``opt_kwargs`` its arguments. ``param_dtype=torch.bfloat16`` trains in mixed precision:
-    2-byte params and grads for compute, fp32 master weights and Adam moments (K = 12).
-    ``offload='optimizer'`` keeps the fp32 master and moments on the host (ZeRO-Offload).
-    ``bucket_bytes``: gradient bucket size for communication. Raises ValueError naming any bad
-    value. Every rank must call it with the same model (checked).
-    """
-    _validate(model, stage, optimizer, lr, param_dtype, offload, bucket_bytes, group)
-    # Import only the chosen stage's module (a stage still being written must not break the others).
-    import importlib
-    module_name, class_name = {0: ("data_parallel", "DataParallelEngine"), 1: ("zero1", "Zero1Engine"),
-                               2: ("zero2", "Zero2Engine"), 3: ("zero3", "Zero3Engine")}[stage]
-    if offload == "optimizer" and stage in (1, 2):   # ZeRO-Offload on top of stage 1/2: zerolab.offload
-        module_name, class_name = "offload", f"Zero{stage}OffloadEngine"
-    cls = getattr(importlib.import_module(f"zerolab.{module_name}"), class_name)
-    check_same_model(model, group)
-    return cls(model, optimizer=optimizer, opt_kwargs=dict(opt_kwargs, lr=lr), param_dtype=param_dtype,
-               offload=offload, bucket_bytes=bucket_bytes, group=group)
+    Construction hooks, which :mod:`zerolab.offload` overrides: ``_make_shard_optimizer`` (where the
+    master and moments live), ``_keep_grad_shard`` / ``_step_grads`` (where a reduced gradient shard
+    goes, and where the step reads it)."""
+
+    replicated_params = True      # stages 1-2: every rank holds the full parameters between steps
+
+    def _prepare(self):
+        """Returns the trainable parameters (each once) and casts everything else to the compute dtype."""
+        self.trainable = unique_trainable(self.module.parameters())
+        trainable_ids = {id(p) for p in self.trainable}
+        self.frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable_ids]
+        dtypes = {p.dtype for p in self.trainable}
+        if self.param_dtype is None and len(dtypes) > 1:
+            raise ValueError(f"trainable parameters have several dtypes {sorted(map(str, dtypes))}: "
+                             f"pass param_dtype to train them in one")
+        self.compute_dtype = self.param_dtype or self.trainable[0].dtype
+        with torch.no_grad():
+            for t in self.frozen + list(self.module.buffers()):
+                if t.is_floating_point():
+                    t.data = t.data.to(self.compute_dtype)   # frozen: replicated, no grads, no state
+        self._sync = True
+        return self.trainable
+
+    def _make_shard_optimizer(self, shards, init):
+        """The optimizer over this rank's shard(s): fp32 master (``init``: exact initial values, or None)
+        and moments beside the shards. zerolab.offload puts them on the host instead."""
+        return ShardOptimizer(shards, self.optimizer_class, init=init, **self.opt_kwargs)
+
+    def forward(self, *args, **kwargs):
+        with comm.span("forward"):
+            return self.module(*cast_floats(args, self.compute_dtype), **cast_floats(kwargs, self.compute_dtype))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def shards(self):
+        """[(FlatParams, ShardOptimizer, i)]: the flat buffers this rank owns a shard of, with the
+        optimizer holding master i of that shard."""
+        raise NotImplementedError
+
+    def _full_params(self):
+        out = {}
+        for flat, shard_optim, i in self.shards():
+            if shard_optim.aliased(i) and self.replicated_params:
+                full = flat.data                                   # fp32 params are their own master
+            else:
+                full = gather_full(flat, shard_optim.master[i], self.group)
+            for p, view in zip(flat.params, flat.views(full)):
+                out[id(p)] = view.clone()
+        return out
+
+    def param_slots(self):
+        slots = []
+        for flat, shard_optim, i in self.shards():
+            lo, hi = flat.shard_range()            # this rank's elements of the flat buffer
+            ranges = []
+            for p, off in zip(flat.params, flat.offsets):
+                a, b = max(lo, off), min(hi, off + p.numel())
+                if a < b:                          # the shard holds elements [a-off, b-off) of p
+                    ranges.append((p, a - off, b - off, a - lo))
+            slots.append(Slot(shard_optim.optimizer, shard_optim.master[i], ranges))
+        return slots
+
+    def reload_from_masters(self):
+        for shard_optim in dict.fromkeys(so for _, so, _ in self.shards()):
+            shard_optim.write_back()               # fp32 master -> compute-dtype shard
+        self._publish()
+
+    def _publish(self):
+        """This rank's shards changed: make the full parameters current (stages 1-2 all-gather them;
+        stage 3 re-gathers at the next use)."""
+        for flat, _, _ in self.shards():
+            comm.all_gather(flat.data, flat.shard(flat.data), group=self.group)
 
 
 def check_same_model(model, group=None):
@@ -216,7 +457,6 @@ def check_same_model(model, group=None):
     ranks (a model built from different seeds would otherwise train silently wrong). The check is
     a few numbers per parameter tensor, reduced with MAX and MIN on the rank's device (NCCL
     reduces only GPU tensors)."""
-    from zerolab.launch import rank_device
     with torch.no_grad():
         sig = torch.tensor([float(len(list(model.parameters())))]
                            + [float(sum(p.numel() for p in model.parameters()))]
@@ -236,4 +476,3 @@ def check_same_model(model, group=None):
         names = [n for (n, _), a, b in zip(model.named_parameters(), mx[2:], mn[2:]) if a != b]
         raise ValueError(f"the model differs across ranks (different shapes or initial values; "
                          f"build it from the same seed on every rank): {names[:5] or 'sizes'}")
-

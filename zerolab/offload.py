@@ -17,14 +17,18 @@ keeps only what it needs (the 2-byte params; gradients while backward produces t
 O(Ψ) and memory-bound, so the host can run it; and only gradients (down) and parameters (up) cross
 the host link: 4Ψ bytes per step (4Ψ/N per rank), the least any offload of the optimizer can move.
 
-This module adds, for ``initialize(..., stage=1 or 2, offload="optimizer")``:
+This module adds, for ``initialize(..., stage=1, 2 or 3, offload="optimizer")``:
 
 * :class:`HostOptimizer`: a pinned host gradient buffer (page-locked memory: ``non_blocking`` copies
   are asynchronous DMAs), the fp32 master (always its own copy), torch's fused CPU kernel where it
   exists (``fused=True``; else the default one), cast + copy back. Optional, OFF by default, clearly
   one step stale: the delayed parameter update (DPU, paper Sec. 5.2).
-* :class:`Zero1OffloadEngine`, :class:`Zero2OffloadEngine`: the stage engines with the host optimizer;
-  stage 2 sends each bucket's shard to the host as its reduce-scatter lands, during backward.
+* :class:`Zero1OffloadEngine`, :class:`Zero2OffloadEngine`, :class:`Zero3OffloadEngine`: each stage
+  with the host optimizer, through the stages' construction hooks (``_make_shard_optimizer``,
+  ``_keep_grad_shard``): stages 2 and 3 send each bucket's / unit's shard to the host as its
+  reduce-scatter lands, during backward. Stage 3 + offload is ZeRO-Infinity's optimizer offload
+  (DeepSpeed's ``offload_optimizer`` at stage 3): device model states 2Ψ/N (the bf16 parameter shard)
+  plus gathered units while they compute; FSDP2's CPUOffloadPolicy offloads the parameters too.
 
 On a CPU-only machine "device" and "host" are the same memory: nothing moves physically, and
 :meth:`zerolab.engine.Engine.placement` is accounting BY ROLE (``host_kinds``), not by tensor.device.
@@ -37,6 +41,7 @@ from zerolab import comm
 from zerolab.shard_optim import ShardOptimizer, master_dtype
 from zerolab.zero1 import Zero1Engine
 from zerolab.zero2 import Zero2Engine
+from zerolab.zero3 import Zero3Engine
 
 HOST = torch.device("cpu")
 
@@ -157,7 +162,7 @@ class HostOptimizer(ShardOptimizer):
             m.grad = self._fp32(i, g)
         self._unread = False
         if self._unsent:                                      # DPU: the previous update's result goes up
-            self._write_back()
+            self.write_back()
         if self.delayed:
             self._job = threading.Thread(target=self._update, name="zerolab-host-update", daemon=True)
             self._job.start()                                 # overlaps the next forward/backward
@@ -165,7 +170,7 @@ class HostOptimizer(ShardOptimizer):
         else:
             self._update()
             self._raise()
-            self._write_back()
+            self.write_back()
 
     def _fp32(self, i, g):
         """The gradient the optimizer reads, in the master's dtype: the host shard itself in fp32
@@ -182,7 +187,8 @@ class HostOptimizer(ShardOptimizer):
 
     def _update(self):
         try:
-            self.optimizer.step()                              # on the host: master, m, v (KΨ/N)
+            with comm.span("host optimizer step", "optimizer"):
+                self.optimizer.step()                          # on the host: master, m, v (KΨ/N)
         except BaseException as exc:                           # re-raised in the training thread
             self._error = exc
         for m in self.master:
@@ -205,12 +211,14 @@ class HostOptimizer(ShardOptimizer):
         return self._unsent
 
     @torch.no_grad()
-    def _write_back(self):
+    def write_back(self):
         """Cast the fp32 master into the compute dtype and copy it into the device shard(s). On a GPU
         the pinned gradient buffer, already read by the step, is the staging buffer on the way up."""
         for m, shard, staging in zip(self.master, self.shards, self.grads):
             if shard.device == HOST:
                 shard.copy_(m)                                 # one memory: cast in place
+            elif self._unread:                                 # gradients wait in the staging buffer
+                shard.copy_(m)                                 # (a checkpoint load): a blocking copy
             else:
                 staging.copy_(m)                               # cast on the host, into pinned memory,
                 shard.copy_(staging, non_blocking=True)        # then async H2D before the all-gather
@@ -226,7 +234,7 @@ class HostOptimizer(ShardOptimizer):
             if self._unread:
                 raise RuntimeError("flush() between backward() and step(): call it after step()")
             self.wait()
-            self._write_back()
+            self.write_back()
 
     def state_tensors(self):
         """The base kinds plus 'host_grads' (the host gradient shard) and 'workspace' (fp32 gradient
@@ -237,13 +245,21 @@ class HostOptimizer(ShardOptimizer):
 
 
 class _Offload:
-    """What both offload engines add to their stage: placement by role, DPU switch, traffic, flush.
-    Subclasses provide ``host_optimizers()`` and ``_flats()`` (the flat buffers to all-gather)."""
+    """What offload adds to every stage: the host optimizer (through the stage's construction hook),
+    placement by role, the DPU switch, traffic counters, flush. The stage-specific classes below say
+    only where a reduced gradient shard goes."""
 
+    offloaded = True
     # ZeRO-Offload: fp32 master, optimizer moments and the reduce-scattered gradient shard live on
     # the host (arXiv 2101.06840, Sec. 4.1); everything else (the compute-dtype params, gradients
     # while backward produces them, frozen params) stays on the device.
     host_kinds = ("master", "optimizer", "host_grads", "workspace")
+
+    def _make_shard_optimizer(self, shards, init):
+        return HostOptimizer(shards, self.optimizer_class, init=init, **self.opt_kwargs)
+
+    def host_optimizers(self):
+        return list(dict.fromkeys(so for _, so, _ in self.shards()))
 
     @property
     def delayed_update(self):
@@ -264,38 +280,30 @@ class _Offload:
         hs = self.host_optimizers()
         return {"to_host": sum(h.bytes_to_host for h in hs), "to_device": sum(h.bytes_to_device for h in hs)}
 
-    def full_state_dict(self):
-        for h in self.host_optimizers():
-            h.wait()                                           # the master is the newest state
-        return super().full_state_dict()
-
     def flush(self):
-        """Apply a pending delayed update to the device parameters (then all-gather): call it
-        before evaluating the model when ``delayed_update`` is on. Every rank must call it."""
+        """Apply a pending delayed update to the device parameters (then publish them: all-gather at
+        stages 1-2, re-gather at next use at stage 3): call it before evaluating the model when
+        ``delayed_update`` is on. Every rank must call it."""
         if any(h.pending() for h in self.host_optimizers()):
             for h in self.host_optimizers():
                 h.flush()
-            for flat in self._flats():                             # the same all-gather as a step's
-                comm.all_gather(flat.data, flat.shard(flat.data), group=self.group)
+            self._publish()
 
+    def quiesce(self):
+        super().quiesce()
+        self.flush()
+        for h in self.host_optimizers():
+            h.wait()                                               # the master is the newest state
 
-class Zero1OffloadEngine(_Offload, Zero1Engine):
-    """ZeRO-1 + offload: the full gradient is still on the device until the reduce-scatter at the end
-    of backward; at the step, shard r goes to the host, is updated there and comes back."""
+    def full_state_dict(self):
+        for h in self.host_optimizers():
+            h.wait()                      # the master is the newest state (a delayed update stays pending)
+        return super().full_state_dict()
 
-    def __init__(self, module, **options):
-        super().__init__(module, **options)
-        opt = self.optimizer
-        for i, so in enumerate(opt.shard_optims):          # swap each group's optimizer for a host one,
-            if so is not None:                             # adopting its fp32 master (exact initial values)
-                opt.shard_optims[i] = HostOptimizer(so.shards, self.optimizer_class, init=so.master,
-                                                    **self.opt_kwargs)
-
-    def host_optimizers(self):
-        return [s for _, _, s in self.optimizer._groups()]
-
-    def _flats(self):
-        return [f for f, _, _ in self.optimizer._groups()]
+    def zero_grad(self):
+        for h in self.host_optimizers():
+            h.zero_grad()
+        super().zero_grad()
 
     def state_tensors(self):
         host = [h.state_tensors() for h in self.host_optimizers()]
@@ -303,38 +311,33 @@ class Zero1OffloadEngine(_Offload, Zero1Engine):
                     workspace=[t for h in host for t in h["workspace"]])
 
     def padding_bytes(self):
-        return super().padding_bytes() + sum(f.shard_padding() * s.grad_flat.element_size()
-                                              for f, _, s in self.optimizer._groups())
+        return super().padding_bytes() + sum(flat.shard_padding() * so.grad_flat.element_size()
+                                              for flat, so, _ in self.shards())
+
+
+class Zero1OffloadEngine(_Offload, Zero1Engine):
+    """ZeRO-1 + offload: the full gradient is still on the device until the reduce-scatter at the end
+    of backward; at the step, shard r goes to the host, is updated there and comes back."""
 
 
 class Zero2OffloadEngine(_Offload, Zero2Engine):
     """ZeRO-2 + offload, the paper's configuration: as each bucket's reduce-scatter lands (during
     backward) its averaged shard goes to the host; the device keeps no gradient shard at all."""
 
-    def __init__(self, module, **options):
-        super().__init__(module, **options)
-        so = self.shard_optim
-        self.shard_optim = HostOptimizer(so.shards, self.optimizer_class, init=so.master, **self.opt_kwargs)
-        # The persistent gradient shard is now the host buffer (Zero2Engine's device one is dropped).
-        self.grad_shard, self.grad_shards = self.shard_optim.grad_flat, self.shard_optim.grads
+    def _new_grad_shards(self, sizes):
+        return None, self.shard_optim.grads    # the host's, pinned; none on the device
 
-    def _keep_shard(self, i, shard):
+    def _keep_grad_shard(self, i, shard):
         self.shard_optim.to_host(i, shard)     # bucket i's averaged shard: device -> host, async
 
-    def zero_grad(self):
-        self.shard_optim.zero_grad()
-        for p in self.trainable:
-            p.grad = None
 
-    def host_optimizers(self):
-        return [self.shard_optim]
+class Zero3OffloadEngine(_Offload, Zero3Engine):
+    """ZeRO-3 + offload: as each unit's reduce-scatter lands its averaged shard goes to the host; the
+    step runs there and the new bf16 shard comes back. Device: the parameter shards (2Ψ/N) and the
+    units gathered while they compute."""
 
-    def _flats(self):
-        return self.buckets
+    def _keep_grad_shard(self, i, shard):
+        self.shard_optim.to_host(i, shard)     # unit i's averaged shard: device -> host, async
 
-    def state_tensors(self):
-        st = super().state_tensors()
-        st["grads"] = [g for g in st["grads"] if g is not self.grad_shard]   # device: only while backward runs
-        st["host_grads"] = [self.grad_shard]
-        st["workspace"] = self.shard_optim.state_tensors()["workspace"]
-        return st
+    def _step_grads(self):
+        return self.shard_optim.grads          # already on the host (zero for units without grads)

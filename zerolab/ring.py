@@ -11,7 +11,8 @@ its left (r-1). The buffer is cut into N chunks.
 
 Each step moves one chunk (S/N bytes) per rank, so a rank sends (N-1)/N * S per phase and
 2(N-1)/N * S for an all-reduce: independent of N for large N, which is why the ring is
-bandwidth-optimal. Every send goes through :mod:`zerolab.comm`, so a ``comm.log()`` counts them.
+bandwidth-optimal. Every send goes through :mod:`zerolab.comm`; the three collectives below record
+themselves in a ``comm.log()`` as ONE collective each (``impl="ring"``), with the ring's bytes.
 """
 import torch
 import torch.distributed as dist
@@ -58,16 +59,17 @@ def all_gather_chunks(chunks, group=None):
         exchange(chunks[send_i], chunks[recv_i], right, left, group)
 
 
-def ring_all_reduce(tensor, group=None):
+def ring_all_reduce(tensor, group=None, *, tag=None):
     """Sum ``tensor`` across ranks in place, using only send/recv. Any size: chunks may be uneven."""
     _check_flat("ring_all_reduce", tensor)
     chunks = list(tensor.view(-1).tensor_split(dist.get_world_size(group)))
-    reduce_scatter_chunks(chunks, group)   # (N-1)/N * S bytes sent
-    all_gather_chunks(chunks, group)       # (N-1)/N * S bytes sent
+    with comm.composite("all_reduce", tensor, group, impl="ring", tag=tag):
+        reduce_scatter_chunks(chunks, group)   # (N-1)/N * S bytes sent
+        all_gather_chunks(chunks, group)       # (N-1)/N * S bytes sent
     return tensor
 
 
-def ring_reduce_scatter(output, input, group=None):
+def ring_reduce_scatter(output, input, group=None, *, tag=None):
     """``output`` receives the sum over ranks of chunk ``rank`` of ``input`` (input = N x output)."""
     n = dist.get_world_size(group)
     _check_flat("ring_reduce_scatter", output, input)
@@ -76,12 +78,13 @@ def ring_reduce_scatter(output, input, group=None):
                          f"world_size ({n}) x output ({output.numel()})")
     work = input.detach().clone().view(-1)  # the caller's input stays untouched
     chunks = list(work.split(output.numel()))
-    reduce_scatter_chunks(chunks, group)
+    with comm.composite("reduce_scatter", input, group, impl="ring", tag=tag):
+        reduce_scatter_chunks(chunks, group)   # (N-1)/N * S bytes sent
     output.view(-1).copy_(chunks[dist.get_rank(group)])
     return output
 
 
-def ring_all_gather(output, input, group=None):
+def ring_all_gather(output, input, group=None, *, tag=None):
     """``output`` (N x input) receives every rank's ``input`` in rank order."""
     n = dist.get_world_size(group)
     _check_flat("ring_all_gather", output, input)
@@ -90,5 +93,6 @@ def ring_all_gather(output, input, group=None):
                          f"world_size ({n}) x input ({input.numel()})")
     chunks = list(output.view(-1).split(input.numel()))
     chunks[dist.get_rank(group)].copy_(input.view(-1))
-    all_gather_chunks(chunks, group)
+    with comm.composite("all_gather", output, group, impl="ring", tag=tag):
+        all_gather_chunks(chunks, group)       # (N-1)/N * S bytes sent
     return output

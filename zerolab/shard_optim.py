@@ -17,6 +17,8 @@ Adam's update is elementwise, so running it on a flat slice equals running it on
 """
 import torch
 
+from zerolab import comm
+
 
 def master_dtype(dtype):
     """The optimizer's dtype for parameters computed in ``dtype``: fp32 for 2-byte types (bf16,
@@ -74,9 +76,17 @@ class ShardOptimizer:
                 raise ValueError(f"ShardOptimizer.step: gradient shard of shape {tuple(g.shape)} for a "
                                  f"master shard of shape {tuple(m.shape)}")
             m.grad = g.to(m.device, m.dtype)  # no copy when already fp32 and in place
-        self.optimizer.step()
-        for i, (m, shard) in enumerate(zip(self.master, self.shards)):
+        with comm.span("optimizer step", "optimizer"):
+            self.optimizer.step()
+        for m in self.master:
             m.grad = None
+        self.write_back()
+
+    @torch.no_grad()
+    def write_back(self):
+        """Cast each master into its shard in the compute dtype (after a step, or after a checkpoint
+        load wrote the masters)."""
+        for i, (m, shard) in enumerate(zip(self.master, self.shards)):
             if not self.aliased(i):
                 shard.copy_(m)                         # fp32 -> compute dtype (and host -> device)
 

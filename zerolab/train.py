@@ -58,12 +58,12 @@ def train_stage(args, stage, *, log=print):
     import torch
     import torch.distributed as dist
 
-    import zerolab.engine
+    import zerolab
     from zerolab import comm, models
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = models.build(args.model, seed=args.seed)
     dtype = DTYPES[args.param_dtype] and getattr(torch, DTYPES[args.param_dtype])
-    engine = zerolab.engine.initialize(model, stage=stage, lr=args.lr, param_dtype=dtype,
+    engine = zerolab.initialize(model, stage=stage, lr=args.lr, param_dtype=dtype,
                                        offload=args.offload, bucket_bytes=args.bucket_bytes)
     losses = []
     for step in range(args.steps):
@@ -84,7 +84,7 @@ def train_stage(args, stage, *, log=print):
                 f"sent {sent / 1e6:.3f} MB")
     if rank == 0:
         report = engine.memory_report()
-        states = sum(b for kind, dev in report.items() if kind != "padding" for b in dev.values())
+        states = sum(b for dev in report.values() for b in dev.values())
         log(f"stage {stage}, {world_size} ranks: model states on rank 0 {states / 1e6:.3f} MB")
     return losses
 

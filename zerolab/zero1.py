@@ -18,37 +18,15 @@ momentum still act on it (torch's own optimizers skip a parameter whose ``.grad`
 
 Two ways to use it: :class:`Zero1Optimizer`, a drop-in torch optimizer with the constructor shape of
 ``torch.distributed.optim.ZeroRedundancyOptimizer`` for a plain training loop, and
-:class:`Zero1Engine`, stage 1 of ``zerolab.initialize``. :class:`ShardedEngine` holds what the
-ZeRO-1 and ZeRO-2 engines share (mixed-precision casting, no_sync, gathering a full state dict).
+:class:`Zero1Engine`, stage 1 of ``zerolab.initialize``.
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-from zerolab import comm
-from zerolab.engine import Engine
+from zerolab import comm, engine
+from zerolab.engine import REDUCE_IMPLS, ShardedEngine, default_reduce_impl, gather_full
 from zerolab.flat import FlatParams, unique_trainable
 from zerolab.shard_optim import ShardOptimizer, master_dtype
-
-# Which reduce-scatter the engines use on gloo. There torch's reduce_scatter is emulated with a full
-# all-reduce (2x the bytes); lesson 00's ring from send/recv sends (N-1)/N and measured faster here
-# for large buffers (lesson 04 and benchmarks/bench_zero12.py show both). NCCL has a real one, so on
-# GPUs the engines use torch's (see default_reduce_impl). Set engine.reduce_impl to override.
-REDUCE_SCATTER_IMPL = "ring"
-
-
-def default_reduce_impl(group=None):
-    """'torch' on NCCL (a native reduce-scatter), else REDUCE_SCATTER_IMPL (the ring, on gloo)."""
-    return "torch" if dist.get_backend(group) == "nccl" else REDUCE_SCATTER_IMPL
-
-
-def gather_full(flat, shard, group=None):
-    """All-gather ``shard`` (this rank's slice, any dtype) into a new full buffer laid out like
-    ``flat.data``: how a full fp32 state dict is rebuilt from fp32 master shards."""
-    full = torch.empty(flat.padded_numel, dtype=shard.dtype, device=flat.device)
-    comm.all_gather(full, shard.to(flat.device), group=group)
-    return full
 
 
 class Zero1Optimizer(torch.optim.Optimizer):
@@ -59,13 +37,20 @@ class Zero1Optimizer(torch.optim.Optimizer):
     reduce-scatters the gradients (averaging them over the group: no DDP wrapper needed; with one,
     averaging identical gradients changes them only by rounding), steps this rank's shard, and all-gathers the
     parameters. ``param_dtype`` casts the parameters for compute (e.g. bf16) while the fp32 master
-    starts from their exact current values. ``master_device`` places master and moments (offload).
+    starts from their exact current values. ``reduce_impl``: 'ring' or 'torch' (default: the
+    backend's best, :func:`zerolab.engine.default_reduce_impl`). ``make_shard_optimizer(shards, init,
+    **hyper)`` builds each group's optimizer over its shard (default :class:`ShardOptimizer`; the
+    offload engine puts master and moments on the host).
     """
 
-    def __init__(self, params, optimizer_class, *, param_dtype=None, group=None, master_device=None,
-                 reduce_impl=None, **defaults):
+    def __init__(self, params, optimizer_class, *, param_dtype=None, group=None, reduce_impl=None,
+                 make_shard_optimizer=None, **defaults):
+        if reduce_impl not in (None,) + REDUCE_IMPLS:
+            raise ValueError(f"reduce_impl={reduce_impl!r} is not supported: None, 'torch' or 'ring'")
         self.optimizer_class, self.param_dtype, self.group = optimizer_class, param_dtype, group
-        self.master_device, self.reduce_impl = master_device, reduce_impl or default_reduce_impl(group)
+        self.reduce_impl = reduce_impl or default_reduce_impl(group)
+        self.make_shard_optimizer = make_shard_optimizer or (
+            lambda shards, init, **hyper: ShardOptimizer(shards, optimizer_class, init=init, **hyper))
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.flats, self.grad_buffers, self.shard_optims = [], [], []  # one of each per param group
         self._reduced = False
@@ -85,8 +70,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         mdtype = master_dtype(flat.dtype)                  # fp32 for bf16 compute
         init = [flat.shard_from(originals, mdtype)] if mdtype != flat.dtype else None
         hyper = {k: v for k, v in self.param_groups[-1].items() if k != "params"}
-        shard_optim = ShardOptimizer(flat.shard(flat.data), self.optimizer_class, init=init,
-                                     device=self.master_device, **hyper)  # KΨ/N: own shard only
+        shard_optim = self.make_shard_optimizer(flat.shard(flat.data), init, **hyper)  # KΨ/N: own shard only
         self.flats.append(flat), self.grad_buffers.append(grads), self.shard_optims.append(shard_optim)
 
     def _groups(self):
@@ -113,7 +97,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
         for flat, grads, _ in self._groups():
             self._adopt_grads(flat, grads)
             own = flat.shard(grads)  # in place: rank r's output is its own slice of the input
-            comm.reduce_scatter(own, grads, group=self.group, impl=self.reduce_impl)
+            engine.reduce_scatter(own, grads, group=self.group, impl=self.reduce_impl, tag="grads")
             own.div_(self.world_size)
         self._reduced = True
 
@@ -130,7 +114,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
                 shard_optim.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
         for flat, grads, shard_optim in self._groups():
             shard_optim.step(flat.shard(grads))             # local update of shard r only
-            comm.all_gather(flat.data, flat.shard(flat.data), group=self.group)  # rebuild full params
+            comm.all_gather(flat.data, flat.shard(flat.data), group=self.group, tag="params")  # full params
         return loss
 
     @torch.no_grad()
@@ -170,54 +154,6 @@ class Zero1Optimizer(torch.optim.Optimizer):
         return total
 
 
-class ShardedEngine(Engine):
-    """What the ZeRO-1 and ZeRO-2 engines share: casting the model for mixed precision (trainable
-    parameters are packed by the subclass; frozen ones and floating buffers are cast here), casting
-    floating inputs, no_sync, and a full fp32 state dict from flat buffers. Frozen parameters are
-    reported under their own kind, 'frozen' (replicated, no grads, no optimizer state), so that
-    'params' + 'grads' + 'master' + 'optimizer' is exactly what the ZeRO formulas count."""
-
-    host_kinds = ("master", "optimizer")   # offload='optimizer': ShardOptimizer keeps them on the host
-
-    def _prepare(self):
-        """Returns the trainable parameters (each once) and casts everything else to param_dtype."""
-        self.trainable = unique_trainable(self.module.parameters())
-        trainable_ids = {id(p) for p in self.trainable}
-        self.frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable_ids]
-        dtypes = {p.dtype for p in self.trainable}
-        if self.param_dtype is None and len(dtypes) > 1:
-            raise ValueError(f"trainable parameters have several dtypes {sorted(map(str, dtypes))}: "
-                             f"pass param_dtype to train them in one")
-        self.compute_dtype = self.param_dtype or self.trainable[0].dtype
-        with torch.no_grad():
-            for t in self.frozen + list(self.module.buffers()):
-                if t.is_floating_point():
-                    t.data = t.data.to(self.compute_dtype)   # frozen: replicated, no grads, no state
-        self._sync = True
-        return self.trainable
-
-    def forward(self, *args, **kwargs):
-        cast = lambda x: x.to(self.compute_dtype) if torch.is_tensor(x) and x.is_floating_point() else x
-        return self.module(*map(cast, args), **{k: cast(v) for k, v in kwargs.items()})
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
-    def _full_state(self, flats, fulls):
-        """{name: fp32 (fp64 for fp64 models) tensor} from flat buffers ``flats`` and their full fp32 contents ``fulls``."""
-        by_id = {}
-        for flat, full in zip(flats, fulls):
-            for p, view in zip(flat.params, flat.views(full)):
-                by_id[id(p)] = view.clone()
-        return {name: by_id[id(p)] if id(p) in by_id else p.detach().to(master_dtype(p.dtype)).clone()
-                for name, p in self.module.named_parameters()}
-
-
 class Zero1Engine(ShardedEngine):
     """Stage 1 of ``zerolab.initialize``: the model computes on views into one flat buffer per
     dtype; :class:`Zero1Optimizer` does the reduce-scatter (end of backward), the shard step and
@@ -225,25 +161,17 @@ class Zero1Engine(ShardedEngine):
 
     stage = 1
 
-    def __init__(self, module, **options):
-        super().__init__(module, **options)
+    def __init__(self, module, **common):
+        super().__init__(module, **common)
         trainable = self._prepare()
         self.optimizer = Zero1Optimizer(
             trainable, self.optimizer_class, param_dtype=self.param_dtype, group=self.group,
-            master_device="cpu" if self.offload == "optimizer" else None, **self.opt_kwargs)
-
-    @property
-    def reduce_impl(self):
-        return self.optimizer.reduce_impl
-
-    @reduce_impl.setter
-    def reduce_impl(self, impl):
-        if impl not in ("torch", "ring"):
-            raise ValueError(f"reduce_impl={impl!r} is not supported: use 'torch' or 'ring'")
-        self.optimizer.reduce_impl = impl
+            reduce_impl=self.reduce_impl, **self.opt_kwargs,
+            make_shard_optimizer=lambda shards, init, **hyper: self._make_shard_optimizer(shards, init))
 
     def _backward(self, loss):
-        loss.backward()                       # full local grads land in the flat gradient buffer
+        with comm.span("backward"):
+            loss.backward()                   # full local grads land in the flat gradient buffer
         if self._sync:
             self.optimizer.reduce_gradients()  # shard r of the average -> rank r
 
@@ -252,9 +180,6 @@ class Zero1Engine(ShardedEngine):
 
     def zero_grad(self):
         self.optimizer.zero_grad()
-
-    def full_state_dict(self):
-        return self._full_state([f for f, _, _ in self.optimizer._groups()], self.optimizer.full_fp32())
 
     def shards(self):
         return [(f, s, 0) for f, _, s in self.optimizer._groups()]   # one flat buffer per param group

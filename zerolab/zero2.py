@@ -28,10 +28,10 @@ import weakref
 
 import torch
 
-from zerolab import comm
+from zerolab import comm, engine
+from zerolab.engine import ShardedEngine
 from zerolab.flat import FlatParams
-from zerolab.shard_optim import ShardOptimizer, master_dtype
-from zerolab.zero1 import ShardedEngine, default_reduce_impl, gather_full
+from zerolab.shard_optim import master_dtype
 
 
 def make_buckets(params, bucket_bytes, dtype):
@@ -60,23 +60,19 @@ class Zero2Engine(ShardedEngine):
 
     stage = 2
 
-    def __init__(self, module, **options):
-        super().__init__(module, **options)
+    def __init__(self, module, **common):
+        super().__init__(module, **common)
         trainable = self._prepare()
-        self.reduce_impl = default_reduce_impl(self.group)
         originals = {id(p): p.detach() for p in trainable}       # exact values, before any cast
         self.buckets = [FlatParams(ps, self.world_size, self.rank, dtype=self.param_dtype)
                         for ps in make_buckets(trainable[::-1], self.bucket_bytes, self.compute_dtype)]
-        # The only gradients that persist: shard r of every bucket, back to back (2Ψ/N bytes).
-        sizes = [b.shard_numel for b in self.buckets]
-        self.grad_shard = torch.zeros(sum(sizes), dtype=self.compute_dtype, device=self.buckets[0].device)
-        self.grad_shards = list(self.grad_shard.split(sizes))
         init = None
         if master_dtype(self.compute_dtype) != self.compute_dtype:    # bf16: fp32 master from originals
             init = [b.shard_from([originals[id(p)] for p in b.params], torch.float32) for b in self.buckets]
-        self.shard_optim = ShardOptimizer([b.shard(b.data) for b in self.buckets], self.optimizer_class,
-                                          init=init, device="cpu" if self.offload == "optimizer" else None,
-                                          **self.opt_kwargs)
+        self.shard_optim = self._make_shard_optimizer([b.shard(b.data) for b in self.buckets], init)
+        self.optimizer = self.shard_optim.optimizer
+        # The only gradients that persist: shard r of every bucket, back to back (2Ψ/N bytes).
+        self.grad_shard, self.grad_shards = self._new_grad_shards([b.shard_numel for b in self.buckets])
         self._where = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
         on_grad = weakref.WeakMethod(self._on_grad)  # the model must not keep a dropped engine alive
         self._hooks = [p.register_post_accumulate_grad_hook(lambda q: on_grad()(q)) for p in trainable]
@@ -122,11 +118,9 @@ class Zero2Engine(ShardedEngine):
             self._finish_oldest()               # at most two buckets of full-size grads alive
         bucket, full = self.buckets[i], self._full[i]
         own = bucket.shard(full)                # in place: rank r's output is its own slice
-        if self.reduce_impl == "ring":          # blocking, (N-1)/N bytes
-            comm.reduce_scatter(own, full, group=self.group, impl="ring")
-            work = None
-        else:                                   # overlaps with the rest of backward, 2(N-1)/N on gloo
-            work = comm.reduce_scatter(own, full, group=self.group, async_op=True)
+        # 'ring': blocking, (N-1)/N bytes; 'torch': overlaps the rest of backward (2(N-1)/N on gloo)
+        work = engine.reduce_scatter(own, full, group=self.group, impl=self.reduce_impl, async_op=True,
+                              tag=f"bucket {i}")
         self._launched[i] = True
         self._inflight.append((i, work))
 
@@ -135,21 +129,24 @@ class Zero2Engine(ShardedEngine):
         if work is not None:
             work.wait()
         own = self.buckets[i].shard(self._full[i])
-        self._keep_shard(i, own.div_(self.world_size))        # average
+        self._keep_grad_shard(i, own.div_(self.world_size))   # average
         self._full[i] = None                                  # free the full-size bucket buffer
 
-    def _keep_shard(self, i, shard):
-        """Keep bucket i's averaged gradient shard: += into the persistent one (accumulation).
-        zerolab.offload.Zero2OffloadEngine sends it to the host instead."""
+    # -- where reduced gradient shards live (zerolab.offload: on the host) -------------------
+    def _new_grad_shards(self, sizes):
+        """(one buffer, a view per bucket): the persistent gradient shards, zero."""
+        flat = torch.zeros(sum(sizes), dtype=self.compute_dtype, device=self.buckets[0].device)
+        return flat, list(flat.split(sizes))
+
+    def _keep_grad_shard(self, i, shard):
+        """Keep bucket i's averaged gradient shard: += into the persistent one (accumulation)."""
         self.grad_shards[i].add_(shard)
 
     @torch.no_grad()
     def _backward(self, loss):
-        if self.reduce_impl not in ("torch", "ring"):
-            raise ValueError(f"reduce_impl={self.reduce_impl!r} is not supported: use 'torch' or 'ring'")
         self._arrived = [set() for _ in self.buckets]
         self._launched = [False] * len(self.buckets)
-        with torch.enable_grad():
+        with torch.enable_grad(), comm.span("backward"):
             loss.backward()                     # buckets launch from the hooks as they fill
         if not self._sync:
             return
@@ -172,33 +169,27 @@ class Zero2Engine(ShardedEngine):
     # -- step -----------------------------------------------------------------------------
     def _step(self):
         self.shard_optim.step(self.grad_shards)              # update shard r of every bucket
-        for b in self.buckets:                               # (N-1)/N x 2Ψ bytes in all
-            comm.all_gather(b.data, b.shard(b.data), group=self.group)
+        for i, b in enumerate(self.buckets):                 # (N-1)/N x 2Ψ bytes in all
+            comm.all_gather(b.data, b.shard(b.data), group=self.group, tag=f"bucket {i}")
 
     def zero_grad(self):
-        self.grad_shard.zero_()
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
         for p in self.trainable:
             p.grad = None
-
-    def full_state_dict(self):
-        if all(self.shard_optim.aliased(i) for i in range(len(self.buckets))):
-            fulls = [b.data.clone() for b in self.buckets]
-        else:
-            fulls = [gather_full(b, m, self.group) for b, m in zip(self.buckets, self.shard_optim.master)]
-        return self._full_state(self.buckets, fulls)
 
     def shards(self):
         return [(b, self.shard_optim, i) for i, b in enumerate(self.buckets)]   # one per bucket
 
     def state_tensors(self):
         st = self.shard_optim.state_tensors()
-        live = [p.grad for p in self.trainable if p.grad is not None] + [f for f in self._full if f is not None]
-        return {"params": [b.data for b in self.buckets], "grads": [self.grad_shard] + live,
+        live = [p.grad for p in self.trainable] + self._full + [self.grad_shard]   # shard: None under offload
+        return {"params": [b.data for b in self.buckets], "grads": [g for g in live if g is not None],
                 "master": st["master"], "optimizer": st["optimizer"], "frozen": self.frozen}
 
     def padding_bytes(self):
         # full-size buffers pad `padding` elements; shard-sized ones (grad, master, moments) pad the
         # zeros that fall into this rank's shard (only the last ranks hold any)
-        g = self.grad_shard.element_size()
+        g = 0 if self.grad_shard is None else self.grad_shard.element_size()
         return sum(b.padding * b.data.element_size() + b.shard_padding() * (g + self.shard_optim.element_bytes(i))
                    for i, b in enumerate(self.buckets))

@@ -14,9 +14,10 @@ is gathered once at the start of forward and kept until its gradients are comple
 keeps its root: freeing it after forward would only re-gather it at once for backward (2Ψ_u, not
 3Ψ_u). This is also how tied weights work: ``tok.weight is head.weight`` is one tensor, in one
 unit (the root), gathered once, its two gradient contributions summed by autograd before its
-gradient hook fires. A weight shared by two units is refused (ValueError). Units of at most
-``persist_numel`` elements stay gathered between steps (DeepSpeed's
-``stage3_param_persistence_threshold``): 2Ψ_u per step and Ψ_u persistent bytes each.
+gradient hook fires. A weight shared by two default units goes into the root too; shared by two
+units you name, it is refused (ValueError). Units of at most ``persist_numel`` elements stay gathered
+between steps (DeepSpeed's ``stage3_param_persistence_threshold``): 2Ψ_u per step and Ψ_u
+persistent bytes each. How the model is cut: :mod:`zerolab.units`.
 
 Freeing means ``storage.resize_(0)`` of the unit's flat buffer, not ``p.data = empty``: autograd
 saves *views* of the weights (``weight.t()`` for a Linear), which would keep the old storage alive
@@ -33,14 +34,12 @@ import sys
 import torch
 import torch.utils._pytree as pytree
 
-from zerolab import comm
-from zerolab.flat import FlatParams
-from zerolab.shard_optim import ShardOptimizer, master_dtype
-from zerolab.timeline import maybe_span
-from zerolab.zero1 import ShardedEngine, default_reduce_impl, gather_full
+from zerolab import comm, engine
+from zerolab.engine import Option, ShardedEngine, is_count, is_flag
+from zerolab.shard_optim import master_dtype
+from zerolab.units import FREE, GATHERING, READY, build_units
 
-FREE, GATHERING, READY = "free", "gathering", "ready"
-OPTIONS = ("units", "prefetch", "persist_numel", "ops")   # stage-3 options, via initialize(**kwargs)
+PRIMITIVES = ("gather", "free", "reduce_scatter_grads", "register_pre_backward")
 
 
 # -- the four primitives (exercise 05) ------------------------------------------------------
@@ -50,7 +49,7 @@ def gather(unit, group=None, async_op=False):
     (N-1)/N x the full buffer's bytes. Returns the async handle (or None)."""
     full = unit.full
     full.untyped_storage().resize_(full.numel() * full.element_size())   # Ψ_u elements again
-    return comm.all_gather(full, unit.shard, group=group, async_op=async_op)
+    return comm.all_gather(full, unit.shard, group=group, async_op=async_op, tag=unit.name)
 
 
 def free(unit):
@@ -63,7 +62,7 @@ def reduce_scatter_grads(unit, grad_full, group=None, impl="torch"):
     slice of it, in place: rank r receives shard r, the slice it owns. Returns the async handle
     (``impl='torch'``) or None (``impl='ring'``, blocking, lesson 00's ring)."""
     own = unit.flat.shard(grad_full)
-    return comm.reduce_scatter(own, grad_full, group=group, async_op=impl == "torch", impl=impl)
+    return engine.reduce_scatter(own, grad_full, group=group, impl=impl, async_op=True, tag=unit.name)
 
 
 def register_pre_backward(output, fn):
@@ -76,31 +75,8 @@ def register_pre_backward(output, fn):
     return len(tensors)
 
 
-class Unit:
-    """One unit of ZeRO-3: its flat buffer ``full`` (storage present only while gathered), this
-    rank's persistent ``shard`` (compute dtype), and its state during a step."""
-
-    def __init__(self, index, name, module, params, *, world_size, rank, dtype, resident, keep):
-        self.index, self.name, self.module = index, name, module
-        self.flat = FlatParams(params, world_size, rank, dtype=dtype)   # params become views
-        self.full = self.flat.data                          # (padded Ψ_u,) compute dtype
-        self.shard = self.flat.shard(self.full).clone()     # (Ψ_u/N,) the only persistent copy
-        self.resident, self.keep = resident, keep           # root / small unit; keep: across steps
-        self.state, self.work, self.stale = READY, None, False
-        self.grad_full, self.arrived, self.started, self.launched = None, set(), False, False
-        self.t_fwd = self.t_bwd = None                      # timeline: when its compute began
-
-    @property
-    def numel(self):
-        return self.flat.numel
-
-
-def default_units(model):
-    """TinyGPT-like models: each of ``model.blocks``; otherwise each top-level child."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, torch.nn.ModuleList):
-        return list(blocks)
-    return [m for m in model.children() if not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+def _is_ops(v):
+    return v is None or all(callable(getattr(v, name, None)) for name in PRIMITIVES)
 
 
 class Zero3Engine(ShardedEngine):
@@ -110,34 +86,36 @@ class Zero3Engine(ShardedEngine):
     object with gather/free/reduce_scatter_grads/register_pre_backward: your exercise 05).
     Call the engine, not the module: its hooks gather parameters only inside ``engine(...)``;
     gradient accumulation: repeated ``backward()`` adds each reduce-scattered shard (``no_sync``
-    changes nothing at stage 3: keeping full gradients would undo the partitioning)."""
+    changes nothing at stage 3: keeping full gradients would undo the partitioning).
+    While ``engine.timeline`` is set, ``engine.memory_trace`` gets (time, live bytes of gathered
+    parameters and full-size gradients, event) after every primitive call."""
 
     stage = 3
-    host_kinds = ("master", "optimizer")   # offload='optimizer': ShardOptimizer keeps them on the host
+    replicated_params = False
+    OPTIONS = {"units": Option(None, "None (each of model.blocks, else each top-level child) or a list of "
+                                     "submodules", lambda v: v is None or isinstance(v, (list, tuple))),
+               "prefetch": Option(True, "True or False", is_flag),
+               "persist_numel": Option(0, "an int >= 0 (units of at most this many elements stay gathered)",
+                                       is_count),
+               "ops": Option(None, f"None or an object with {', '.join(PRIMITIVES)}", _is_ops)}
 
-    def __init__(self, module, **options):
-        super().__init__(module, **options)
-        extra = {k: self.opt_kwargs.pop(k) for k in OPTIONS if k in self.opt_kwargs}
-        self.prefetch = extra.get("prefetch", True)
-        self.persist_numel = extra.get("persist_numel", 0)
-        self.ops = extra.get("ops") or sys.modules[__name__]
-        if self.prefetch not in (True, False):
-            raise ValueError(f"prefetch must be True or False, got {self.prefetch!r}")
-        if isinstance(self.persist_numel, bool) or not isinstance(self.persist_numel, int) or self.persist_numel < 0:
-            raise ValueError(f"persist_numel must be an int >= 0, got {self.persist_numel!r}")
+    def __init__(self, module, *, units=None, prefetch=True, persist_numel=0, ops=None, **common):
+        super().__init__(module, **common)
+        self.prefetch, self.persist_numel = prefetch, persist_numel
+        self._ops, self.memory_trace = ops or sys.modules[__name__], []
         trainable = self._prepare()
-        self.reduce_impl, self.timeline, self.memory_trace = default_reduce_impl(self.group), None, []
         originals = {id(p): p.detach() for p in trainable}      # exact values, before any cast
-        self.units = self._build_units(extra.get("units"), trainable)
+        self.units = build_units(module, units, trainable, world_size=self.world_size, rank=self.rank,
+                                 dtype=self.compute_dtype, persist_numel=persist_numel)
+        init = None
+        if master_dtype(self.compute_dtype) != self.compute_dtype:   # bf16: fp32 master from originals
+            init = [u.flat.shard_from([originals[id(p)] for p in u.flat.params], torch.float32) for u in self.units]
+        self.shard_optim = self._make_shard_optimizer([u.shard for u in self.units], init)
+        self.optimizer = self.shard_optim.optimizer
         # This rank's averaged gradient shard per unit (2Ψ/N bytes in bf16): created as the unit's
         # reduce-scatter lands, released by zero_grad() (set_to_none, torch's default; FSDP2 does
         # the same), so between steps a rank holds (2+K)Ψ/N and during backward up to (4+K)Ψ/N.
         self.grad_shards = [None] * len(self.units)
-        init = None
-        if master_dtype(self.compute_dtype) != self.compute_dtype:   # bf16: fp32 master from originals
-            init = [u.flat.shard_from([originals[id(p)] for p in u.flat.params], torch.float32) for u in self.units]
-        self.shard_optim = ShardOptimizer([u.shard for u in self.units], self.optimizer_class, init=init,
-                                          device="cpu" if self.offload == "optimizer" else None, **self.opt_kwargs)
         self._where = {id(p): u for u in self.units for p in u.flat.params}
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -150,75 +128,42 @@ class Zero3Engine(ShardedEngine):
         self._in_forward, self._inflight, self._fwd, self._bwd = False, [], [], []
         self._predicted = [u.index for u in self.units if not u.resident]   # forward order guess
 
-    def _build_units(self, units, trainable):
-        modules = default_units(self.module) if units is None else list(units)
-        names = {id(m): n for n, m in self.module.named_modules()}
-        owner, chosen = {}, []
-        for m in modules:
-            if not isinstance(m, torch.nn.Module) or id(m) not in names or m is self.module:
-                raise ValueError(f"units must be submodules of the model (not the model itself), got {type(m).__name__}")
-            if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
-                raise ValueError(f"unit {names[id(m)]!r} is a {type(m).__name__}: its forward never runs; "
-                                 f"list its members instead")
-            params = [p for p in dict.fromkeys(m.parameters()) if p.requires_grad]
-            if not params:
-                if units is not None:
-                    raise ValueError(f"unit {names[id(m)]!r} has no trainable parameters")
-                continue                                          # e.g. a frozen layer: stays whole
-            for p in params:
-                if id(p) in owner:
-                    raise ValueError(
-                        f"a parameter of unit {names[id(m)]!r} also belongs to unit {owner[id(p)]!r} (nested "
-                        f"units or a weight shared between units). Put modules that share a weight in one "
-                        f"unit, or leave them out of `units` (they then go into the root unit)")
-                owner[id(p)] = names[id(m)]
-            chosen.append((names[id(m)], m, params))
-        root = [p for p in trainable if id(p) not in owner]
-        if root:
-            chosen.insert(0, ("root", None, root))
-        if not chosen:
-            raise ValueError("no trainable parameters in any unit")
-        return [Unit(i, name, m, ps, world_size=self.world_size, rank=self.rank, dtype=self.compute_dtype,
-                     resident=m is None or sum(p.numel() for p in ps) <= self.persist_numel,
-                     keep=sum(p.numel() for p in ps) <= self.persist_numel)
-                for i, (name, m, ps) in enumerate(chosen)]
+    @property
+    def ops(self):
+        """The four primitives; while a timeline records, each call also appends to memory_trace."""
+        if self.timeline is None:
+            return self._ops
+        return engine.traced(self._ops, lambda name, unit: self.memory_trace.append(
+            (self.timeline.now(), self._live_bytes(), f"{name} {getattr(unit, 'name', '')}".strip())))
 
-    # -- gather / free, with the timeline and the live-memory trace ---------------------------
-    def _trace(self, event):
-        if self.timeline is not None:
-            live = sum(t.untyped_storage().nbytes() for u in self.units
-                       for t in [u.full, u.grad_full] + [p.grad for p in u.flat.params] if t is not None)
-            self.memory_trace.append((self.timeline.now(), live, event))
+    def _live_bytes(self):
+        return sum(t.untyped_storage().nbytes() for u in self.units
+                   for t in [u.full, u.grad_full] + [p.grad for p in u.flat.params] if t is not None)
 
+    # -- gather / free -------------------------------------------------------------------------
     def _gather(self, u, async_op=False):
         """Make u READY (or GATHERING, if ``async_op``): wait for its prefetch or gather it now."""
         if u.state == READY and not u.stale:
             return
         if u.state == GATHERING:
             if not async_op:
-                with maybe_span(self.timeline, f"wait {u.name}", "wait"):
-                    u.work.wait()
+                u.work.wait()
                 u.state, u.work = READY, None
             return
         u.stale = False
+        work = self.ops.gather(u, group=self.group, async_op=async_op)
         if async_op:
-            u.work, u.state = self.ops.gather(u, group=self.group, async_op=True), GATHERING
-            if self.timeline is not None and u.work is not None:
-                self.timeline.mark_async(f"gather {u.name}", "comm", u.work)
+            u.work, u.state = work, GATHERING
         else:
-            with maybe_span(self.timeline, f"gather {u.name}", "comm"):
-                work = self.ops.gather(u, group=self.group, async_op=False)
-                if work is not None:
-                    work.wait()
+            if work is not None:
+                work.wait()
             u.state = READY
-        self._trace(f"gather {u.name}")
 
     def _free(self, u):
         if u.state == GATHERING:
             self._gather(u)                      # never free a buffer a collective is writing
         self.ops.free(u)
         u.state = FREE
-        self._trace(f"free {u.name}")
 
     def _prefetch(self, order, after):
         """Start the all-gather of the unit at ``order[after + 1]`` unless it is gathered already
@@ -244,7 +189,8 @@ class Zero3Engine(ShardedEngine):
         self._prefetch(self._predicted, -1)
         self._in_forward = True
         try:
-            out = super().forward(*args, **kwargs)
+            out = self.module(*engine.cast_floats(args, self.compute_dtype),
+                              **engine.cast_floats(kwargs, self.compute_dtype))
         finally:
             self._in_forward = False
             self._predicted = self._fwd or self._predicted
@@ -265,15 +211,14 @@ class Zero3Engine(ShardedEngine):
             self._fwd.append(u.index)
             self._gather(u)                      # all-gather right before use (or wait for the prefetch)
             self._prefetch(self._predicted, len(self._fwd) - 1)
-            u.t_fwd = self.timeline.now() if self.timeline is not None else None
+            u.t_fwd = comm.clock()
         return hook
 
     def _post_forward_hook(self, u):
         def hook(module, args, output):
             if not self._in_forward:
                 return
-            if self.timeline is not None:
-                self.timeline.record(f"forward {u.name}", "compute", u.t_fwd, self.timeline.now())
+            comm.end_span(f"forward {u.name}", "compute", u.t_fwd)
             self._free(u)                        # free right after use
             if torch.is_grad_enabled():
                 self.ops.register_pre_backward(output, lambda: self._pre_backward(u))
@@ -285,7 +230,7 @@ class Zero3Engine(ShardedEngine):
             return                               # a unit called twice: gathered once for backward
         u.started = True
         self._gather(u)                          # all-gather again: backward needs the weights
-        u.t_bwd = self.timeline.now() if self.timeline is not None else None
+        u.t_bwd = comm.clock()
         self._prefetch(self._bwd, self._bwd.index(u.index) if u.index in self._bwd else -1)
 
     @torch.no_grad()
@@ -300,13 +245,11 @@ class Zero3Engine(ShardedEngine):
             raise RuntimeError(f"ZeRO-3: a gradient of unit {u.name!r} was computed while its parameters "
                                f"were not gathered (a unit's weight used outside the unit's forward?)")
         u.arrived.add(id(p))                     # p.grad stays until the unit is complete
-        self._trace(f"grad {u.name}")
         if len(u.arrived) == len(u.flat.params):
             self._grads_complete(u)
 
     def _grads_complete(self, u):
-        if self.timeline is not None and u.t_bwd is not None:
-            self.timeline.record(f"backward {u.name}", "compute", u.t_bwd, self.timeline.now())
+        comm.end_span(f"backward {u.name}", "compute", u.t_bwd)
         u.started = u.launched = True
         # Pack the unit's gradients into one flat buffer (Ψ_u, zeros for params without a gradient)
         # only now, at the end of its backward: allocated earlier it would sit beside the unit's
@@ -316,15 +259,11 @@ class Zero3Engine(ShardedEngine):
             if p.grad is not None:
                 view.copy_(p.grad)
                 p.grad = None                    # no full-size gradient survives the unit
-        self._trace(f"packed grads {u.name}")
         if not u.keep:
             self._free(u)                        # its weights are no longer needed this step
         if self._inflight:
             self._finish_oldest()                # at most two units of full-size grads alive
-        with maybe_span(self.timeline if self.reduce_impl == "ring" else None, f"reduce-scatter {u.name}", "comm"):
-            work = self.ops.reduce_scatter_grads(u, u.grad_full, group=self.group, impl=self.reduce_impl)
-        if self.timeline is not None and work is not None:
-            self.timeline.mark_async(f"reduce-scatter {u.name}", "comm", work)
+        work = self.ops.reduce_scatter_grads(u, u.grad_full, group=self.group, impl=self.reduce_impl)
         self._inflight.append((u, work))
         if work is None:
             self._finish_oldest()                # blocking (ring): done, free the grads now
@@ -333,18 +272,18 @@ class Zero3Engine(ShardedEngine):
         u, work = self._inflight.pop(0)
         if work is not None:
             work.wait()
-        mine = u.flat.shard(u.grad_full).div_(self.world_size)      # the average over ranks
-        if self.grad_shards[u.index] is None:
-            self.grad_shards[u.index] = mine.clone()                # a view would pin all of grad_full
-        else:
-            self.grad_shards[u.index].add_(mine)                    # gradient accumulation
+        self._keep_grad_shard(u.index, u.flat.shard(u.grad_full).div_(self.world_size))   # the average
         u.grad_full = None                       # free the unit's full-size gradients
-        self._trace(f"reduced {u.name}")
+
+    def _keep_grad_shard(self, i, shard):
+        """Keep unit i's averaged gradient shard (zerolab.offload: on the host instead)."""
+        if self.grad_shards[i] is None:
+            self.grad_shards[i] = shard.clone()  # a view would pin all of grad_full
+        else:
+            self.grad_shards[i].add_(shard)      # gradient accumulation
 
     @torch.no_grad()
     def _backward(self, loss):
-        if self.reduce_impl not in ("torch", "ring"):
-            raise ValueError(f"reduce_impl={self.reduce_impl!r} is not supported: use 'torch' or 'ring'")
         try:
             with torch.enable_grad():
                 loss.backward()                  # gathers, reduce-scatters and frees from the hooks
@@ -367,14 +306,21 @@ class Zero3Engine(ShardedEngine):
             if u.state != FREE and not u.keep:
                 self._free(u)
 
+    def quiesce(self):
+        self._settle()
+
     # -- step and state ----------------------------------------------------------------------
     def _step(self):
         self._settle()
-        with maybe_span(self.timeline, "optimizer step", "optimizer"):
-            self.shard_optim.step([torch.zeros_like(u.shard) if g is None else g   # updates each
-                                   for u, g in zip(self.units, self.grad_shards)])  # shard in place
+        self.shard_optim.step(self._step_grads())   # updates each unit's shard in place
+        self._publish()
+
+    def _step_grads(self):
+        return [torch.zeros_like(u.shard) if g is None else g for u, g in zip(self.units, self.grad_shards)]
+
+    def _publish(self):
         for u in self.units:
-            u.stale = u.keep                     # kept units: re-gathered at the next forward
+            u.stale = u.state != FREE            # a unit kept gathered is re-gathered at its next use
 
     def zero_grad(self):
         self.grad_shards = [None] * len(self.units)
@@ -382,20 +328,14 @@ class Zero3Engine(ShardedEngine):
     def no_sync(self):
         return contextlib.nullcontext()         # see the class docstring
 
-    def full_state_dict(self):
-        sources = [u.shard if self.shard_optim.aliased(i) else self.shard_optim.master[i]
-                   for i, u in enumerate(self.units)]
-        return self._full_state([u.flat for u in self.units],
-                                [gather_full(u.flat, s, self.group) for u, s in zip(self.units, sources)])
-
     def shards(self):
         return [(u.flat, self.shard_optim, i) for i, u in enumerate(self.units)]   # one per unit
 
     def state_tensors(self):
         st = self.shard_optim.state_tensors()
+        grads = self.grad_shards + [u.grad_full for u in self.units] + [p.grad for p in self.trainable]
         return {"params": [u.shard for u in self.units] + [u.full for u in self.units],   # full: 0 B when free
-                "grads": self.grad_shards + [u.grad_full for u in self.units]       # during backward only
-                         + [p.grad for u in self.units for p in u.flat.params],
+                "grads": [g for g in grads if g is not None],     # full-size ones during backward only
                 "master": st["master"], "optimizer": st["optimizer"], "frozen": self.frozen}
 
     def padding_bytes(self):

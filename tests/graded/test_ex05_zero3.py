@@ -17,7 +17,7 @@ def _build(name="gpt", dtype=torch.float64):
 
 
 def _engine(model, **kw):
-    from zerolab.engine import initialize
+    from zerolab import initialize
     return initialize(model, stage=3, lr=1e-2, ops=exercise_module("ex05_zero3"), **kw)
 
 

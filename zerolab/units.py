@@ -1,0 +1,81 @@
+"""ZeRO-3's units: how a model is cut into the pieces that are gathered, computed and freed one at a
+time (:mod:`zerolab.zero3`). Each unit is one padded flat buffer (:class:`zerolab.flat.FlatParams`)
+whose storage exists only while the unit is gathered; this rank keeps only its 1/N shard of it.
+
+FSDP2 calls a unit what ``fully_shard`` is applied to; DeepSpeed gathers per submodule, with
+``stage3_param_persistence_threshold`` keeping small ones whole (``persist_numel`` here).
+"""
+import torch
+
+from zerolab.flat import FlatParams
+
+FREE, GATHERING, READY = "free", "gathering", "ready"     # a unit's states during a step
+
+
+class Unit:
+    """One unit of ZeRO-3: its flat buffer ``full`` (storage present only while gathered), this
+    rank's persistent ``shard`` (compute dtype), and its state during a step."""
+
+    def __init__(self, index, name, module, params, *, world_size, rank, dtype, resident, keep):
+        self.index, self.name, self.module = index, name, module
+        self.flat = FlatParams(params, world_size, rank, dtype=dtype)   # params become views
+        self.full = self.flat.data                          # (padded Ψ_u,) compute dtype
+        self.shard = self.flat.shard(self.full).clone()     # (Ψ_u/N,) the only persistent copy
+        self.resident, self.keep = resident, keep           # root / small unit; keep: across steps
+        self.state, self.work, self.stale = READY, None, False
+        self.grad_full, self.arrived, self.started, self.launched = None, set(), False, False
+        self.t_fwd = self.t_bwd = None                      # when its compute began (timeline only)
+
+    @property
+    def numel(self):
+        return self.flat.numel
+
+
+def default_units(model):
+    """TinyGPT-like models: each of ``model.blocks``; otherwise each top-level child."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, torch.nn.ModuleList):
+        return list(blocks)
+    return [m for m in model.children() if not isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict))]
+
+
+def build_units(model, units, trainable, *, world_size, rank, dtype, persist_numel):
+    """The ZeRO-3 units of ``model``: ``units`` (the modules the user named) or :func:`default_units`,
+    then a ``root`` unit of every trainable parameter in no unit. A weight shared by two DEFAULT units
+    (a tied embedding and head as separate children) goes into the root; shared by two units the
+    user named, it is refused (ValueError). Units of at most ``persist_numel`` elements stay gathered."""
+    modules = default_units(model) if units is None else list(units)
+    names = {id(m): n for n, m in model.named_modules()}
+    owner, chosen = {}, []
+    shared = set()
+    if units is None:   # a weight shared by two default units (tied embedding and head) -> root
+        seen = set()
+        for m in modules:
+            for p in dict.fromkeys(m.parameters()):
+                (shared if id(p) in seen else seen).add(id(p))
+    for m in modules:
+        if not isinstance(m, torch.nn.Module) or id(m) not in names or m is model:
+            raise ValueError(f"units must be submodules of the model (not the model itself), got {type(m).__name__}")
+        if isinstance(m, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            raise ValueError(f"unit {names[id(m)]!r} is a {type(m).__name__}: its forward never runs; "
+                             f"list its members instead")
+        params = [p for p in dict.fromkeys(m.parameters()) if p.requires_grad and id(p) not in shared]
+        if not params:
+            if units is not None:
+                raise ValueError(f"unit {names[id(m)]!r} has no trainable parameters")
+            continue                                          # e.g. a frozen layer: stays whole
+        for p in params:
+            if id(p) in owner:
+                raise ValueError(
+                    f"a parameter of unit {names[id(m)]!r} also belongs to unit {owner[id(p)]!r} (nested "
+                    f"units or a weight shared between units). Put modules that share a weight in one "
+                    f"unit, or leave them out of `units` (they then go into the root unit)")
+            owner[id(p)] = names[id(m)]
+        chosen.append((names[id(m)], m, params))
+    root = [p for p in trainable if id(p) not in owner]
+    if root:
+        chosen.insert(0, ("root", None, root))
+    return [Unit(i, name, m, ps, world_size=world_size, rank=rank, dtype=dtype,
+                 resident=m is None or sum(p.numel() for p in ps) <= persist_numel,
+                 keep=sum(p.numel() for p in ps) <= persist_numel)
+            for i, (name, m, ps) in enumerate(chosen)]

@@ -1,0 +1,93 @@
+"""Stage 0 of ``zerolab.initialize``: data parallelism, a full replica of everything on every rank
+(DeepSpeed calls it ZeRO stage 0: ZeRO off). The baseline every ZeRO stage is measured against.
+
+Per rank, Ψ trainable parameters, Adam: fp32 training holds params 4Ψ + grads 4Ψ + moments 8Ψ;
+``param_dtype=torch.bfloat16`` holds 2Ψ + 2Ψ + fp32 master 4Ψ + moments 8Ψ; both 16Ψ, the
+(2 + 2 + K)Ψ baseline of the ZeRO paper (Sec. 3.1, K = 12), N times over. The gradient averaging is
+:class:`zerolab.data_parallel.DataParallel` (``bucket_bytes=None``: the naive per-gradient sync).
+
+The same precision rule as the ZeRO stages: parameters computed in a 2-byte type (bf16, fp16,
+whether by ``param_dtype`` or because the model was built so) get fp32 master copies that the
+optimizer steps; fp32 and fp64 parameters are their own masters.
+"""
+import torch
+
+from zerolab import comm
+from zerolab.data_parallel import DataParallel, broadcast_module
+from zerolab.engine import Engine, Slot, cast_floats
+from zerolab.flat import unique_trainable
+from zerolab.shard_optim import master_dtype
+
+
+class DataParallelEngine(Engine):
+    """Stage 0. ``backward`` returns with averaged gradients (as torch DDP's backward does)."""
+
+    stage = 0
+
+    def __init__(self, module, **common):
+        super().__init__(module, **common)
+        broadcast_module(module, group=self.group)      # every rank starts from rank 0's weights
+        self.trainable = unique_trainable(module.parameters())
+        dtype = self.param_dtype or self.trainable[0].dtype
+        self.masters = None
+        if master_dtype(dtype) != dtype:
+            # Mixed precision: fp32 master weights (4Ψ) taken BEFORE the cast, so nothing is lost;
+            # the model computes in 2-byte params and grads (2Ψ + 2Ψ).
+            self.masters = [p.detach().to(master_dtype(dtype)).clone() for p in self.trainable]
+        if self.param_dtype is not None:
+            module.to(self.param_dtype)
+        self.ddp = DataParallel(module, bucket_bytes=self.bucket_bytes, group=self.group, broadcast=False)
+        self.optimizer = self.optimizer_class(self.masters or self.trainable, **self.opt_kwargs)
+
+    def forward(self, *args, **kwargs):
+        if self.param_dtype is not None:
+            args, kwargs = cast_floats(args, self.param_dtype), cast_floats(kwargs, self.param_dtype)
+        with comm.span("forward"):
+            return self.ddp(*args, **kwargs)
+
+    def _backward(self, loss):
+        with comm.span("backward"):
+            loss.backward()                 # bucketed: all-reduces start from the hooks in here
+        self.ddp.finish_gradient_synchronization()
+
+    def _step(self):
+        with comm.span("optimizer step", "optimizer"):
+            if self.masters is not None:
+                for m, p in zip(self.masters, self.trainable):
+                    m.grad = None if p.grad is None else p.grad.to(m.dtype)   # transient 4Ψ
+            self.optimizer.step()
+            if self.masters is not None:
+                for m in self.masters:
+                    m.grad = None
+                self.reload_from_masters()
+
+    def zero_grad(self):
+        self.ddp.zero_grad()
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def _full_params(self):
+        return {id(p): m.detach().clone() for p, m in zip(self.trainable, self.masters or self.trainable)}
+
+    def param_slots(self):
+        # a whole tensor per parameter, replicated: rank 0's copy is the checkpoint
+        return [Slot(self.optimizer, m, [(p, 0, p.numel(), 0)], replicated=True)
+                for p, m in zip(self.trainable, self.masters or self.trainable)]
+
+    @torch.no_grad()
+    def reload_from_masters(self):
+        if self.masters is not None:
+            for m, p in zip(self.masters, self.trainable):
+                p.copy_(m)                  # round the fp32 master down to the compute dtype
+
+    def state_tensors(self):
+        """The same conventions as the ZeRO stages: frozen parameters under their own kind, and only
+        per-element optimizer state (Adam's 0-dim step counters are not per-parameter memory)."""
+        grads = ([b.buffer for b in self.ddp.sync.buckets] if self.ddp.sync is not None
+                 else [p.grad for p in self.trainable])
+        opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        trainable = {id(p) for p in self.trainable}
+        frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable]
+        return {"params": list(self.trainable), "grads": grads, "optimizer": opt,
+                "master": list(self.masters or []), "frozen": frozen}
