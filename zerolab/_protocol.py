@@ -102,9 +102,9 @@ class Ranks:
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, pass_fds=[child_end.fileno()],
                                         start_new_session=True)  # its own group: killpg ends it all
+                self.ranks.append(_Rank(rank, proc, Connection(parent_end.detach())))  # stop() sees it
                 child_end.close()
                 self._tell_watchdog(f"watch {proc.pid}")  # pgid == pid for a session leader
-                self.ranks.append(_Rank(rank, proc, Connection(parent_end.detach())))
             for r in self.ranks:
                 r.conn.send(setup)
             self._wait_ready()
@@ -231,8 +231,10 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 pass
             r.conn.close()
-            for t in r.readers:
+            for t, stream in zip(r.readers, (r.proc.stdout, r.proc.stderr)):
                 t.join(timeout=2)
+                if not t.is_alive():  # (one still blocked: a process that left our groups holds it)
+                    stream.close()
         shutil.rmtree(self.store_dir, ignore_errors=True)
         if self._watchdog is not None:
             self._tell_watchdog("exit")
