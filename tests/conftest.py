@@ -1,6 +1,7 @@
 """Shared fixtures: one set of live ranks per world size for the whole session (spawning is the
 expensive part: ~2.5 s of `import torch` per process), and the graded-test switches."""
 import os
+import sys
 
 import pytest
 
@@ -67,3 +68,51 @@ def clusters():
     pool = _Clusters()
     yield pool
     pool.close()
+
+
+# -- no process left behind ------------------------------------------------------------------------
+# Orphans (say, a process a rank started, whose rank was killed) are re-parented to this pytest
+# process instead of init (Linux: PR_SET_CHILD_SUBREAPER), so the check below sees them too.
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # 36 = PR_SET_CHILD_SUBREAPER
+except (OSError, AttributeError):
+    pass
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """After every fixture (the session's clusters included) is torn down, no process this session
+    started may still run: name each one, kill it, and fail the session."""
+    import time
+    import psutil
+
+    def left():
+        alive = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    deadline = time.monotonic() + 10  # processes on their way out get a moment
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    procs = left()
+    if not procs:
+        return
+    lines = []
+    for p in procs:
+        try:
+            lines.append(f"pid {p.pid}: {' '.join(p.cmdline())[:200]}")
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    report = session.config.pluginmanager.get_plugin("terminalreporter")
+    write = report.write_line if report else lambda line: sys.stderr.write(line + "\n")
+    write("ERROR: processes left behind by this test session (now killed):")
+    for line in lines:
+        write("  " + line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

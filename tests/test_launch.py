@@ -154,18 +154,25 @@ def test_killed_rank_is_reported_quickly_and_others_are_stopped():
         assert _wait_dead(pids) == []
 
 
-def test_ranks_exit_when_the_parent_dies():
-    # A killed kernel must not leave ranks behind.
+def test_ranks_and_what_they_started_exit_when_the_parent_dies(tmp_path):
+    # A killed kernel must not leave ranks behind, nor the processes their code started, nor the
+    # rendezvous folder; not even when a rank is wedged (here: stopped) and cannot notice by itself.
     r = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import os, sys, zerolab
+        import os, signal, subprocess, sys, psutil, zerolab
+        def start_child():
+            return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]).pid
         c = zerolab.Cluster(2)
-        print(*c.run(os.getpid), flush=True)
+        ranks = c.run(os.getpid)
+        c.run(start_child)
+        os.kill(ranks[1], signal.SIGSTOP)
+        print(*[p.pid for p in psutil.Process().children(recursive=True)], flush=True)
         os.kill(os.getpid(), 9)
-    """)], stdout=subprocess.PIPE, text=True)
+    """)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(tmp_path)))
     out, _ = r.communicate(timeout=120)
     pids = [int(p) for p in out.split()]
-    assert len(pids) == 2
+    assert len(pids) >= 4  # 2 ranks and their 2 children (and the launcher's watchdog)
     assert _wait_dead(pids, 10) == []
+    assert list(tmp_path.glob("zerolab-*")) == []
 
 
 def test_keyboard_interrupt_stops_all_ranks():

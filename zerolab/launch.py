@@ -13,25 +13,34 @@ What the caller sees, in a terminal, a notebook, nbclient or nbval alike:
   remote traceback; ranks still running are stopped;
 * hangs: a collective that never completes (a rank skipped it, shapes differ, a peer died)
   ends in a :class:`RankTimeout` after ``timeout`` seconds naming the ranks that did not finish;
-* no fixed ports: the ranks meet through a fresh file store, so parallel launches never collide.
+* interrupts: Ctrl-C (or a test's time limit) while ranks run stops them all; a ``Cluster``
+  says so and starts fresh ranks on its next run;
+* no fixed ports: the ranks meet through a fresh file store, so parallel launches never collide;
+* nothing left behind: every exit path, clean or not, ends each rank with everything its code
+  started, and a watchdog does it if the caller itself is killed (zerolab/_protocol.py).
 """
+import contextlib
+import math
+import numbers
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
-import time
+import traceback
 import weakref
-from multiprocessing.connection import Connection, wait
 
 import cloudpickle
 
+from zerolab._protocol import Ranks, StartupFailure, who as _who
+
 DEFAULT_TIMEOUT = 30.0
-_STARTUP_TIMEOUT = 180.0  # importing torch in 4 processes on 2 busy cores can take a while
-_GRACE = 2.0  # after one rank fails, how long the others get to finish on their own
+MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; far beyond it the OS's timers overflow (poll: ~24.8 days)
+MAX_THREADS = 1024
+_BACKENDS = ("auto", "gloo", "nccl")
+# The process group's own per-collective timeout, a backstop behind the caller's deadline: it is
+# this much longer than each run's timeout, so the caller's clear RankTimeout always comes first.
+_PG_MARGIN = 10.0
 
 
 class RankError(RuntimeError):
@@ -70,8 +79,10 @@ def rank_state():
 
 
 def resolve_backend(backend, world_size):
-    """'auto' -> 'nccl' when CUDA has a GPU per rank, else 'gloo'. Raises ValueError for nccl
-    without enough GPUs, or for an unknown name."""
+    """'auto' -> 'nccl' when CUDA has a GPU per rank, else 'gloo'. Raises ValueError for an
+    unknown name, or for nccl without enough GPUs."""
+    if not isinstance(backend, str) or backend not in _BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported: use 'auto', 'gloo' or 'nccl'.")
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
@@ -79,9 +90,38 @@ def resolve_backend(backend, world_size):
     if backend == "nccl" and gpus < world_size:
         raise ValueError(f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size} but "
                          f"{gpus} GPU(s) are visible. Use backend='gloo' (CPU) or backend='auto'.")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is not supported: use 'auto', 'gloo' or 'nccl'.")
     return backend
+
+
+def _check_timeout(timeout):
+    """Seconds as a float, or ValueError: bool, str, nan, inf, <= 0 and > MAX_TIMEOUT are refused."""
+    if (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool)
+            and math.isfinite(timeout) and 0 < timeout <= MAX_TIMEOUT):
+        return float(timeout)
+    raise ValueError(f"timeout={timeout!r} is not valid: give the seconds to wait for the ranks, "
+                     f"a number in (0, {MAX_TIMEOUT:.0f}] (up to a week)")
+
+
+def _check_options(world_size, timeout, threads):
+    """The one place the launcher's options are validated, before any rank starts."""
+    if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int (the number of ranks), got {world_size!r}")
+    if threads is not None and (not isinstance(threads, numbers.Integral) or isinstance(threads, bool)
+                                or not 1 <= threads <= MAX_THREADS):
+        raise ValueError(f"threads must be None (share the cores fairly) or an int in [1, {MAX_THREADS}], "
+                         f"got {threads!r}")
+    return int(world_size), _check_timeout(timeout), None if threads is None else int(threads)
+
+
+def _encode(fn, args, kwargs):
+    """The request's payload: fn and its arguments, pickled by value where needed (cloudpickle)."""
+    if not callable(fn):
+        raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the "
+                        f"ranks: they must be picklable (by cloudpickle): {exc}") from exc
 
 
 def _default_threads(world_size):
@@ -90,80 +130,6 @@ def _default_threads(world_size):
     except AttributeError:  # macOS
         cores = os.cpu_count() or 1
     return max(1, cores // world_size)
-
-
-class _Rank:
-    """Parent-side handle of one worker: its process, control connection and output buffers."""
-
-    def __init__(self, rank, proc, conn):
-        self.rank, self.proc, self.conn = rank, proc, conn
-        self.lines = {"stdout": [], "stderr": []}
-        self.ended = {"stdout": -1, "stderr": -1}  # last run id whose end marker was read
-        self.cond = threading.Condition()
-        self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
-                        for name, stream in (("stdout", proc.stdout), ("stderr", proc.stderr))]
-        for t in self.readers:
-            t.start()
-
-    def _read(self, name, stream):
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            with self.cond:
-                if "\x1ezerolab-end:" in line:
-                    head, _, tail = line.partition("\x1ezerolab-end:")
-                    if head:
-                        self.lines[name].append(head)
-                    self.ended[name] = int(tail.strip("\x1e"))
-                else:
-                    self.lines[name].append(line)
-                self.cond.notify_all()
-        with self.cond:
-            self.ended[name] = float("inf")  # EOF: the process is gone
-            self.cond.notify_all()
-
-    def take_output(self, run_id, wait_s):
-        """Wait (bounded) until both streams reached run_id's end marker, then hand over the lines."""
-        deadline = time.monotonic() + wait_s
-        with self.cond:
-            while min(self.ended.values()) < run_id and time.monotonic() < deadline:
-                self.cond.wait(max(0.0, deadline - time.monotonic()))
-            out = self.lines
-            self.lines = {"stdout": [], "stderr": []}
-        return out
-
-
-def _kill(ranks):
-    for r in ranks:
-        if r.proc.poll() is None:
-            try:
-                os.killpg(r.proc.pid, signal.SIGKILL)  # the worker and anything it started
-            except (ProcessLookupError, PermissionError):
-                r.proc.kill()
-    for r in ranks:
-        try:
-            r.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        r.conn.close()
-        for t in r.readers:
-            t.join(timeout=2)
-
-
-def _shutdown(ranks, store_dir):
-    """Ask workers to exit, then kill what is left; remove the rendezvous directory."""
-    for r in ranks:
-        try:
-            r.conn.send(("exit",))
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + 5
-    for r in ranks:
-        try:
-            r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    _kill(ranks)
-    shutil.rmtree(store_dir, ignore_errors=True)
 
 
 def _signal_name(code):
@@ -181,92 +147,78 @@ class Cluster:
     [0, 1]
 
     ``run`` has the semantics of :func:`launch`. A failure that leaves some rank stuck (a timeout,
-    a dead rank, a rank still waiting in a collective) stops all ranks; the next ``run`` starts
+    a dead rank, a rank still waiting in a collective) stops all ranks, and so does anything that
+    interrupts the caller while it waits (Ctrl-C, a test's time limit); the next ``run`` starts
     fresh ones and says so. A failure every rank returned from keeps the ranks (and their state).
+    Runs from several threads are serialized: one waits for the other.
     """
 
     def __init__(self, world_size, *, backend="auto", timeout=DEFAULT_TIMEOUT, threads=None):
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if not timeout or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if threads is not None and (not isinstance(threads, int) or threads < 1):
-            raise ValueError(f"threads must be a positive int or None, got {threads!r}")
-        self.world_size = world_size
-        self.backend = resolve_backend(backend, world_size)
-        self.timeout = float(timeout)
-        self.threads = threads or _default_threads(world_size)
-        self._ranks = []
-        self._store_dir = None
-        self._run_id = 0
-        self._needs_restart = False
+        self.world_size, self.timeout, threads = _check_options(world_size, timeout, threads)
+        self.backend = resolve_backend(backend, self.world_size)
+        self.threads = threads or _default_threads(self.world_size)
+        self._ranks = None        # the live zerolab._protocol.Ranks, or None
+        self._broken = False      # a failed run stopped the ranks: the next run replaces them
         self._finalizer = None
+        self._run_id = 0
+        self._lock = threading.Lock()  # one run (start, close) at a time
+        self._lock_owner = None
         self.start()
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        me = threading.get_ident()
+        if self._lock_owner == me:
+            raise RuntimeError("this Cluster is already busy in this thread (a run, start or close "
+                               "called from a signal handler or a callback inside one?): runs "
+                               "cannot nest")
+        with self._lock:  # another thread's run: wait for it to finish
+            self._lock_owner = me
+            try:
+                yield
+            finally:
+                self._lock_owner = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self):
-        if self._ranks:
-            return
-        self._store_dir = tempfile.mkdtemp(prefix="zerolab-")
-        setup = {"sys_path": list(sys.path), "threads": self.threads, "backend": self.backend,
-                 "store_path": os.path.join(self._store_dir, "store"),
-                 # The process group's own per-collective timeout backs up the caller's deadline.
-                 "pg_timeout": self.timeout + 10}
-        env = dict(os.environ, WORLD_SIZE=str(self.world_size), PYTHONUNBUFFERED="1",
-                   OMP_NUM_THREADS=str(self.threads), ZEROLAB_PARENT_PID=str(os.getpid()))
-        env.pop("PYTEST_CURRENT_TEST", None)
-        ranks = []
-        try:
-            for rank in range(self.world_size):
-                parent_end, child_end = socket.socketpair()
-                env.update(RANK=str(rank), LOCAL_RANK=str(rank),
-                           ZEROLAB_CONTROL_FD=str(child_end.fileno()))
-                proc = subprocess.Popen([sys.executable, "-m", "zerolab._worker"], env=env,
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, pass_fds=[child_end.fileno()],
-                                        start_new_session=True)
-                child_end.close()
-                ranks.append(_Rank(rank, proc, Connection(parent_end.detach())))
-            for r in ranks:
-                r.conn.send(setup)
-            self._wait_ready(ranks)
-        except BaseException:
-            _shutdown(ranks, self._store_dir)
-            raise
-        self._ranks = ranks
-        self._needs_restart = False
-        self._run_id = 0
-        self._finalizer = weakref.finalize(self, _shutdown, ranks, self._store_dir)
-        self._print_output({r.rank: r.take_output(0, 5) for r in ranks})
+        with self._exclusive():
+            if self._ranks is None:
+                self._start()
 
-    def _wait_ready(self, ranks):
-        pending = {r.conn: r for r in ranks}
-        deadline = time.monotonic() + _STARTUP_TIMEOUT
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RankTimeout(f"{_who(sorted(r.rank for r in pending.values()))} did not start "
-                                  f"within {_STARTUP_TIMEOUT:.0f} s", ranks=[r.rank for r in pending.values()])
-            for conn in ready:
-                r = pending.pop(conn)
-                try:
-                    conn.recv()
-                except EOFError:
-                    r.proc.wait()
-                    out = r.take_output(0, 2)
-                    raise RankError(f"rank {r.rank} failed to start (exit code {r.proc.returncode}):\n"
-                                    + "\n".join(out["stderr"][-30:]), ranks=[r.rank]) from None
+    def _start(self):
+        store_dir = tempfile.mkdtemp(prefix="zerolab-")
+        setup = {"sys_path": list(sys.path), "threads": self.threads, "backend": self.backend,
+                 "store_path": os.path.join(store_dir, "store"),
+                 "pg_timeout": self.timeout + _PG_MARGIN}
+        env = dict(os.environ, WORLD_SIZE=str(self.world_size), PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS=str(self.threads), ZEROLAB_PARENT_PID=str(os.getpid()),
+                   ZEROLAB_STORE_DIR=store_dir)
+        env.pop("PYTEST_CURRENT_TEST", None)
+        try:
+            ranks = Ranks(self.world_size, setup, env, store_dir)
+        except StartupFailure as exc:
+            cls = RankTimeout if exc.timed_out else RankError
+            raise cls(str(exc), ranks=exc.ranks) from None
+        self._ranks, self._broken = ranks, False
+        self._finalizer = weakref.finalize(self, ranks.stop)
+        self._print_output(ranks.outputs(0, 5))
+
+    def _stop(self, graceful):
+        if self._ranks is not None:
+            self._ranks.stop(graceful)  # if interrupted, the finalizer still holds the ranks
+            self._finalizer.detach()
+            self._ranks = self._finalizer = None
 
     def close(self):
         """Stop all ranks (idempotent)."""
-        if self._finalizer is not None:
-            self._finalizer()
-            self._finalizer = None
-        self._ranks = []
+        with self._exclusive():
+            self._stop(graceful=True)
+            self._broken = False
 
     def restart(self):
-        self.close()
-        self.start()
+        with self._exclusive():
+            self._stop(graceful=True)
+            self._start()
 
     def __enter__(self):
         return self
@@ -275,76 +227,63 @@ class Cluster:
         self.close()
 
     def __repr__(self):
-        state = "running" if self._ranks and not self._needs_restart else "stopped"
+        state = ("stopped after a failure (restarts on the next run)" if self._broken
+                 else "running" if self._ranks is not None else "stopped")
         return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # -- running ---------------------------------------------------------------------------
     def run(self, fn, *args, timeout=None, **kwargs):
-        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
-        if not callable(fn):
-            raise TypeError(f"run() needs a callable, got {type(fn).__name__}")
-        try:
-            payload = cloudpickle.dumps((fn, args, kwargs))
-        except Exception as exc:
-            raise TypeError(f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the "
-                            f"ranks: they must be picklable (by cloudpickle): {exc}") from exc
-        if self._needs_restart:
-            self.close()
-            print(f"[zerolab] restarting the cluster ({self.world_size} ranks) after the last "
-                  f"failure", file=sys.stderr)
-        if not self._ranks:
-            self.start()
-        timeout = self.timeout if timeout is None else float(timeout)
-        self._run_id += 1
-        run_id = self._run_id
-        for r in self._ranks:
-            r.conn.send(("run", run_id, payload))
-        try:
-            results, errors, died, stuck = self._collect(run_id, timeout)
-        except KeyboardInterrupt:
-            self._needs_restart = True
-            _kill(self._ranks)
-            raise
-        if died or stuck:
-            self._needs_restart = True
-            _kill(self._ranks)
-        self._print_output({r.rank: r.take_output(run_id, 2.0) for r in self._ranks})
-        if errors or died or stuck:
-            raise self._error(errors, died, stuck, timeout)
-        return [results[i] for i in range(self.world_size)]
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
 
-    def _collect(self, run_id, timeout):
-        """Wait for every rank's reply. Returns (results, errors, died, stuck)."""
-        pending = {r.conn: r for r in self._ranks}
-        results, errors, died = {}, {}, {}
-        deadline = time.monotonic() + timeout
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            for conn in ready:
-                r = pending.pop(conn)
-                try:
-                    kind, rid, body = conn.recv()
-                except (EOFError, OSError):
-                    try:
-                        r.proc.wait(timeout=2)
-                    except subprocess.TimeoutExpired:
-                        pass
-                    died[r.rank] = r.proc.returncode
+        ``timeout`` (seconds, default: the cluster's) bounds this run; the process group's own
+        timeout follows it, so a run longer than the cluster's timeout is not cut short.
+        """
+        payload = _encode(fn, args, kwargs)
+        return self._submit(payload, self.timeout if timeout is None else _check_timeout(timeout))
+
+    def _submit(self, payload, timeout, one_shot=False):
+        # one_shot: called by launch(), whose ranks stop after this run (no "next run" to announce)
+        with self._exclusive():
+            if self._broken or self._ranks is None:
+                if self._broken:
+                    print(f"[zerolab] restarting the cluster ({self.world_size} ranks) after the last "
+                          f"failure", file=sys.stderr)
+                self._stop(graceful=False)
+                self._start()
+            self._run_id += 1
+            run_id, ranks = self._run_id, self._ranks
+            try:
+                ranks.send(run_id, timeout + _PG_MARGIN, payload)
+                replies, died, stuck = ranks.collect(run_id, timeout)
+            except BaseException as exc:
+                # Interrupted while the ranks may be mid-run, some inside a collective (Ctrl-C, a
+                # test's time limit, an error here): only stopping them all puts them back in step.
+                self._broken = True
+                self._stop(graceful=False)
+                self._print_output(ranks.outputs(run_id, 0))
+                print(f"[zerolab] {type(exc).__name__} while the ranks were running: stopped all "
+                      f"{self.world_size} ranks" + ("" if one_shot else "; the cluster restarts on "
+                                                    "its next run (rank_state is lost)"), file=sys.stderr)
+                raise
+            if died or stuck:
+                self._broken = True
+                self._stop(graceful=False)
+            results, errors = {}, {}
+            for rank, (kind, body) in replies.items():
+                if kind == "err":
+                    errors[rank] = body
                     continue
-                assert rid == run_id, (rid, run_id)
-                if kind == "ok":
-                    results[r.rank] = cloudpickle.loads(body)
-                else:
-                    errors[r.rank] = body
-            if (errors or died) and pending:
-                # One rank failed: the others may be blocked in a collective waiting for it.
-                deadline = min(deadline, time.monotonic() + _GRACE)
-        stuck = sorted(r.rank for r in pending.values())
-        return results, errors, died, stuck
+                try:
+                    results[rank] = cloudpickle.loads(body)
+                except Exception as exc:  # e.g. a class only the ranks can import
+                    errors[rank] = {"type": type(exc).__name__, "message": str(exc), "local": True,
+                                    "traceback": traceback.format_exc(), "exception": exc}
+            self._print_output(ranks.outputs(run_id, 2.0))
+            if errors or died or stuck:
+                raise self._error(errors, died, stuck, timeout, one_shot)
+            return [results[i] for i in range(self.world_size)]
 
-    def _error(self, errors, died, stuck, timeout):
+    def _error(self, errors, died, stuck, timeout, one_shot):
         parts = []
         # A dead rank is the cause; errors on the others (connection reset) are its consequence.
         for rank, code in sorted(died.items()):
@@ -352,9 +291,10 @@ class Cluster:
             parts.append(f"rank {rank} died ({how})")
         by_cause = {}
         for rank, e in sorted(errors.items()):
-            by_cause.setdefault((e["type"], e["message"]), []).append(rank)
-        for (etype, msg), ranks in by_cause.items():
-            parts.append(f"{_who(ranks)} raised {etype}: {msg}")
+            by_cause.setdefault((e["type"], e["message"], e.get("local", False)), []).append(rank)
+        for (etype, msg, local), ranks in by_cause.items():
+            parts.append(f"{_who(ranks)} returned a value that cannot be unpickled in this process "
+                         f"({etype}: {msg})" if local else f"{_who(ranks)} raised {etype}: {msg}")
         if stuck:
             done = sorted(set(range(self.world_size)) - set(stuck))
             if errors or died:
@@ -366,16 +306,20 @@ class Cluster:
                              + ". A collective that some rank skipped, different shapes on different "
                                "ranks, or a dead peer make a collective wait forever; all ranks were "
                                "stopped")
-        if self._needs_restart:
+        if self._broken and not one_shot:
             parts.append("the cluster restarts on its next run")
         message = "; ".join(parts)
         if errors:
             first = min(errors)
-            message += (f"\n\n--- remote traceback (rank {first}) ---\n"
-                        + errors[first]["traceback"].rstrip())
+            where = ("unpickling its return value here" if errors[first].get("local")
+                     else "remote traceback")
+            message += (f"\n\n--- {where} (rank {first}) ---\n" + errors[first]["traceback"].rstrip())
         ranks = sorted(died) + sorted(errors) + (stuck if not (errors or died) else [])
         exceptions = {}
         for rank, e in errors.items():
+            if e.get("local"):
+                exceptions[rank] = e["exception"]
+                continue
             try:
                 exceptions[rank] = cloudpickle.loads(e["exception"]) if e.get("exception") else None
             except Exception:
@@ -396,10 +340,6 @@ class Cluster:
                 stream.flush()
 
 
-def _who(ranks):
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
-
-
 def launch(fn, world_size, *args, backend="auto", timeout=DEFAULT_TIMEOUT, threads=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks and return their results.
 
@@ -409,11 +349,12 @@ def launch(fn, world_size, *args, backend="auto", timeout=DEFAULT_TIMEOUT, threa
     printed here, prefixed ``[rank r]``, in rank order. Raises :class:`RankError` (with the
     remote traceback) if any rank raises or dies, :class:`RankTimeout` if ranks are still
     running after ``timeout`` seconds. ``threads`` sets each rank's intra-op threads (default:
-    the machine's cores shared fairly among the ranks).
+    the machine's cores shared fairly among the ranks). Bad options and an unpicklable ``fn``
+    are refused before any rank starts.
     """
+    payload = _encode(fn, args, kwargs)
     with Cluster(world_size, backend=backend, timeout=timeout, threads=threads) as cluster:
-        return cluster.run(fn, *args, **kwargs)
-
+        return cluster._submit(payload, cluster.timeout, one_shot=True)
 
 
 def init_from_env(backend="auto", timeout=DEFAULT_TIMEOUT):
