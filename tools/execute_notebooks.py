@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 for path in sys.argv[1:]:
     t0 = time.time()
     nb = nbformat.read(path, as_version=4)
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (zerolab)", "language": "python"}
     NotebookClient(nb, timeout=900, kernel_name="python3", record_timing=False,
                    resources={"metadata": {"path": "notebooks"}}).execute()
     nbformat.write(nb, path)

@@ -120,7 +120,7 @@ class Zero2Engine(ShardedEngine):
         own = bucket.shard(full)                # in place: rank r's output is its own slice
         # 'ring': blocking, (N-1)/N bytes; 'torch': overlaps the rest of backward (2(N-1)/N on gloo)
         work = engine.reduce_scatter(own, full, group=self.group, impl=self.reduce_impl, async_op=True,
-                              tag=f"bucket {i}")
+                                     tag=f"bucket {i}")
         self._launched[i] = True
         self._inflight.append((i, work))
 
