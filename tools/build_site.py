@@ -272,17 +272,24 @@ def build(out, *, repo=REPO, work=None, jobs="2", quiet=True):
            "-c", str(REPO / "site"), "-d", str(work / "doctrees"), str(src), str(html_dir)]
     if quiet:
         cmd.insert(3, "-q")
-    if html_dir.exists():
-        shutil.rmtree(html_dir)       # no page of a removed lesson left behind
-    if subprocess.run(cmd, cwd=repo).returncode != 0:
-        raise SiteError("sphinx-build failed (warnings are errors): see above")
-    if out.exists():
-        shutil.rmtree(out)
+    for stale in (html_dir, out):     # no page of a removed lesson left behind, no stale site on failure
+        if stale.exists():
+            shutil.rmtree(stale)
+    sphinx = subprocess.run(cmd, cwd=repo, stderr=subprocess.PIPE, text=True)
+    errors = []
+    if sphinx.returncode != 0:       # with -W any warning fails; its lines (stderr, -q) say which
+        errors = [line for line in sphinx.stderr.splitlines() if line.strip()] or [
+            f"sphinx-build exited with {sphinx.returncode}"]
+    elif sphinx.stderr.strip():
+        sys.stderr.write(sphinx.stderr)
+    # The link check runs on what Sphinx wrote even after a warning (--keep-going): one build reports all.
+    problems = check_site.check(html_dir) if (html_dir / "index.html").is_file() else []
+    if errors or problems:
+        raise SiteError("\n  ".join(
+            (["Sphinx (warnings are errors; paths are of the staged copy):"] + errors if errors else []) +
+            ([f"link check: {len(problems)} broken link(s), image(s) or network load(s)"] + problems[:50]
+             if problems else [])))
     shutil.copytree(html_dir, out, ignore=shutil.ignore_patterns(".buildinfo", "_sources"))
-    problems = check_site.check(out)
-    if problems:
-        raise SiteError(f"{len(problems)} broken link(s) or network load(s) in the built site:\n  "
-                        + "\n  ".join(problems[:50]))
     return out
 
 
