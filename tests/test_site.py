@@ -1,0 +1,250 @@
+"""`make site`: the course as a static website (tools/build_site.py, site/conf.py, tools/check_site.py).
+
+The real site is built once (about 10 s on 2 cores) with every proxy pointed at a closed port, so a
+build that reached for the network would fail. Small throw-away courses prove that the build fails on
+a broken link or a missing image, and the link checker is tested on hand-written pages. The built site
+is then read in headless Chromium (skipped without chromium, like tests/test_browser.py): pages load
+with no console error and nothing fetched from another host, every image of a lesson loads, math is
+typeset, and "next" leads to the next lesson.
+"""
+import contextlib
+import functools
+import http.server
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import threading
+from unittest import mock
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = REPO / "test-artifacts" / "site"
+pytest.importorskip("myst_nb", reason="the site extra is not installed (make setup installs it)")
+
+
+def _tool(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_site = _tool("build_site")
+check_site = build_site.check_site
+NO_NETWORK = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+              "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9", "NO_PROXY": "", "no_proxy": ""}
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory):
+    work = tmp_path_factory.mktemp("site-work")
+    with mock.patch.dict(os.environ, NO_NETWORK):
+        return build_site.build(work / "out", work=work / "build")
+
+
+def _html(site, rel):
+    return (site / rel).read_text(encoding="utf-8")
+
+
+def test_every_lesson_is_a_page_linked_from_the_landing_page(site):
+    index = _html(site, "index.html")
+    readme_title = (REPO / "README.md").read_text(encoding="utf-8").splitlines()[0][2:]
+    assert readme_title.split(" — ")[0] in index and "The two commands" in index and "JupyterLab options" in index
+    for nb in NOTEBOOKS:
+        assert (site / "notebooks" / f"{nb.stem}.html").is_file(), f"no page for {nb.name}"
+        assert f'href="notebooks/{nb.stem}.html"' in index, f"the landing page does not link {nb.name}"
+    assert 'href="exercises.html"' in index and 'href="benchmarks/RESULTS.html"' in index
+    exercises = _html(site, "exercises.html")
+    for ex in sorted((REPO / "exercises").glob("ex[0-9][0-9]_*.py")):
+        assert ex.name in exercises
+    assert (site / ".nojekyll").is_file(), "GitHub Pages would hide _static/ without .nojekyll"
+
+
+def test_the_built_site_is_whole_and_needs_no_network(site):
+    assert check_site.check(site) == []
+    assert not list(site.rglob("*.ipynb")), "the site serves pages, not notebooks"
+
+
+def test_a_lesson_page_has_navigation_contents_math_and_highlighted_code(site):
+    page = _html(site, "notebooks/00_collectives.html")
+    assert 'class="right-next"' in page and 'class="left-prev"' in page          # previous / next
+    assert "bd-toc" in page and "#a-process-group" in page                      # this lesson's contents
+    assert 'class="math notranslate nohighlight"' in page                       # $...$ became math
+    assert '<script defer="defer" src="../_static/mathjax/tex-chtml.js' in page or \
+           'src="../_static/mathjax/tex-chtml.js' in page                         # MathJax from the site
+    assert '<span class="kn">import</span>' in page                             # Pygments ran
+    assert page.count("<img") >= 5                                              # the committed figures
+
+
+def test_the_calculator_widget_is_frozen_with_a_note(site):
+    page = _html(site, "notebooks/01_memory_anatomy.html")
+    assert "A frozen copy of an interactive widget" in page and "open this lesson in JupyterLab" in page
+    assert "widget-view+json" not in page and "jupyter-widgets" not in page
+    nb = json.loads((REPO / "notebooks" / "01_memory_anatomy.ipynb").read_text(encoding="utf-8"))
+    state = nb["metadata"]["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    labels = [m["state"]["description"] for m in state.values()
+              if m["model_name"].endswith("SliderModel") or m["model_name"] == "BoundedIntTextModel"]
+    assert labels and all(label in page for label in labels), "the controls' values are not shown"
+
+
+# --- the build fails on broken content: small courses built from scratch ------------------------
+
+TINY_README = """# Tiny course
+
+What it is.
+
+## The two commands
+
+`make lab`
+
+## The lessons
+
+| # | lesson | you will measure |
+|---|---|---|
+| 00 | tiny | nothing |
+
+## Exercises and grading
+
+Stubs.
+"""
+
+
+def _tiny_course(root, markdown):
+    (root / "notebooks").mkdir(parents=True)
+    (root / "exercises").mkdir()
+    (root / "benchmarks").mkdir()
+    (root / "README.md").write_text(TINY_README)
+    (root / "exercises" / "ex00_tiny.py").write_text("def f():\n    raise NotImplementedError\n")
+    (root / "benchmarks" / "RESULTS.md").write_text("# Benchmark results\n\nNone.\n")
+    nb = {"cells": [{"cell_type": "markdown", "id": "c0", "metadata": {}, "source": markdown}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    (root / "notebooks" / "00_tiny.ipynb").write_text(json.dumps(nb))
+    return root
+
+
+GOOD = "# Lesson 00 — tiny\n\n$x^2$, [the results](../benchmarks/RESULTS.md), [exercises](../exercises.md)\n"
+
+
+def test_the_build_fails_on_a_broken_link_or_a_missing_image(tmp_path):
+    """One small course builds (the control); the same course with a link to a missing lesson, a
+    missing image and a raw-HTML image that Sphinx does not check fails, naming all three."""
+    good = _tiny_course(tmp_path / "good", GOOD)
+    out = build_site.build(tmp_path / "out", repo=good, work=tmp_path / "work-good", jobs="1")
+    assert (out / "notebooks" / "00_tiny.html").is_file()
+
+    broken = _tiny_course(tmp_path / "broken", GOOD + "\n[lesson 01](01_missing.ipynb)\n\n"
+                          "![a figure](missing.png)\n\n<img src=\"gone.png\" alt=\"raw HTML\">\n")
+    with pytest.raises(build_site.SiteError) as failure:
+        build_site.build(tmp_path / "out2", repo=broken, work=tmp_path / "work-broken", jobs="1")
+    message = str(failure.value)
+    assert "01_missing" in message                        # Sphinx: a link to no document
+    assert "missing.png" in message                       # Sphinx: an image that is not there
+    assert "gone.png'> is missing" in message             # check_site: raw HTML Sphinx never looks at
+    assert not (tmp_path / "out2").exists(), "a failed build must not leave a site behind"
+
+
+def test_check_site_finds_broken_links_anchors_and_network_loads(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "style.css").write_text("@font-face { src: url(fonts/gone.woff2); }\n"
+                                        "body { background: url('https://cdn.example.org/bg.png'); }\n")
+    (tmp_path / "sub" / "page.html").write_text('<h1 id="top">Page</h1><a href="../index.html#intro">up</a>')
+    (tmp_path / "index.html").write_text(
+        '<html><head><link rel="stylesheet" href="style.css">'
+        '<script src="https://cdn.example.org/lib.js"></script></head><body id="intro">'
+        '<a href="sub/page.html#top">ok</a> <a href="sub/page.html#nowhere">bad anchor</a>'
+        '<a href="gone.html">gone</a> <img src="sub/missing.png"> <a href="#intro">self</a>'
+        '<a href="https://arxiv.org/abs/1910.02054">a paper: a link, not a load</a>'
+        '<img src="data:image/png;base64,iVBOR"></body></html>')
+    problems = "\n".join(check_site.check(tmp_path))
+    for expected in ["lib.js'> loads from the network", "no id 'nowhere' in sub/page.html", "gone.html'> is missing",
+                     "sub/missing.png'> is missing", "fonts/gone.woff2) is missing", "bg.png) loads from the network"]:
+        assert expected in problems, f"not reported: {expected}\n{problems}"
+    assert "arxiv" not in problems and "#top" not in problems and "data:" not in problems
+    assert len(check_site.check(tmp_path)) == 6
+
+
+# --- the built site in a browser -----------------------------------------------------------------
+
+@contextlib.contextmanager
+def _serve(root):
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _images_loaded(page):
+    """[(src, naturalWidth)] of every image of the page, each made to load now (not lazily)."""
+    return page.evaluate("""async () => {
+        const out = [];
+        for (const img of document.images) {
+            img.loading = 'eager';
+            try { await img.decode(); } catch (e) {}
+            out.push([img.getAttribute('src'), img.naturalWidth]);
+        }
+        return out;
+    }""")
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine")
+def test_the_site_in_a_browser_landing_lesson_images_math_and_next(site, request):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with _serve(site) as base, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors, elsewhere = [], []
+        page.on("console", lambda m: errors.append(f"{page.url}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"{page.url}: {e}"))
+        page.on("requestfailed", lambda r: errors.append(f"{page.url}: failed {r.url}"))
+
+        def only_this_site(route):
+            if route.request.url.startswith(base) or route.request.url.startswith("data:"):
+                route.continue_()
+            else:
+                elsewhere.append(route.request.url)
+                route.abort()
+        page.route("**/*", only_this_site)
+        try:
+            page.goto(f"{base}/index.html", wait_until="load")
+            assert "zerolab" in page.title()
+            page.wait_for_timeout(500)
+            assert not errors, f"the landing page: {errors}"
+
+            page.locator('article a[href="notebooks/00_collectives.html"]').first.click()
+            page.wait_for_url("**/notebooks/00_collectives.html")
+            page.wait_for_selector("mjx-container", timeout=30_000)        # MathJax typeset the math
+            assert "Lesson 00" in page.locator("h1").first.inner_text()
+            toc = page.locator(".bd-toc a").all_inner_texts()
+            assert any("A process group" in t for t in toc), f"no table of contents: {toc}"
+            images = _images_loaded(page)
+            assert len(images) >= 5 and all(width > 0 for _, width in images), f"images not loaded: {images}"
+
+            page.locator("a.right-next").first.click()                         # "next" at the page's end
+            page.wait_for_url("**/notebooks/01_memory_anatomy.html")
+            assert "Lesson 01" in page.locator("h1").first.inner_text()
+            images = _images_loaded(page)
+            assert images and all(width > 0 for _, width in images), f"images not loaded: {images}"
+            page.wait_for_timeout(500)
+            assert not errors, "\n".join(errors)
+            assert not elsewhere, f"the site fetched from other hosts: {elsewhere}"
+        except Exception:
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=False)
+            raise
+        finally:
+            browser.close()
