@@ -129,11 +129,14 @@ def test_first_start_is_quiet_on_lesson_00_with_the_zerolab_kernel(page, lab):
     page.wait_for_url("**/lab/tree/00_collectives.ipynb*", timeout=60_000)
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=90_000)
+    # The toolbar shows "No Kernel" until the session's kernel has started: on a loaded machine that
+    # can be after the indicator first reads idle. A kernel choice dialog is checked for below.
+    from playwright.sync_api import expect
+    expect(page.locator(".jp-Toolbar-kernelName:visible").first).to_have_text("Python 3 (zerolab)",
+                                                                             timeout=90_000)
     page.wait_for_timeout(5000)           # the news question and the build check come after start-up
     tab = page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current").first.inner_text()
     assert "00_collectives.ipynb" in tab, f"the open document is {tab!r}"
-    kernel = page.locator(".jp-Toolbar-kernelName:visible").first.inner_text()
-    assert kernel == "Python 3 (zerolab)", f"kernel {kernel!r}"
     dialogs = page.locator(".jp-Dialog")
     assert dialogs.count() == 0, f"a dialog opened: {dialogs.first.inner_text()[:200]}"
     toasts = page.locator(".Toastify__toast").all_inner_texts()
