@@ -12,7 +12,7 @@ write HOW. Each ``unit`` (a :class:`zerolab.zero3.Unit`) has:
 Plug your functions into the engine and train::
 
     from zerolab.engine import initialize
-    from zerolab.grading import exercise_module
+    from zerolab.grade.helpers import exercise_module
     engine = initialize(model, stage=3, ops=exercise_module("ex05_zero3"))   # this file
 
 Use ``zerolab.comm`` for the collectives. Grade your work: ``zerolab.grade.check("05")``.

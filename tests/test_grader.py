@@ -32,9 +32,34 @@ SCHEMA = {
 # reduce_scatter 2 x 3 world sizes, all_gather 2 x 3, all_reduce 3 x 3.
 HALF_CORRECT = 2 * 3 + 2 * 3
 
+# A student who wrote two of the three rings (with the one ring step the exercise offers) and
+# took a shortcut for the third.
 HALF = '''
+import torch
 import torch.distributed as dist
-from solutions.ex00_collectives import ring_reduce_scatter, ring_all_gather  # correct
+from zerolab.ring import exchange
+
+def _ring(chunks, group, offset, reduce):
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    for step in range(n - 1):
+        out_i = (rank - step - offset) % n
+        in_i = (out_i - 1) % n
+        incoming = torch.empty_like(chunks[in_i]) if reduce else chunks[in_i]
+        exchange(chunks[out_i], incoming, (rank + 1) % n, (rank - 1) % n, group)
+        if reduce:
+            chunks[in_i] += incoming
+
+def ring_reduce_scatter(output, input, group=None):
+    chunks = list(input.detach().clone().view(-1).chunk(dist.get_world_size(group)))
+    _ring(chunks, group, 1, True)
+    output.view(-1).copy_(chunks[dist.get_rank(group)])
+    return output
+
+def ring_all_gather(output, input, group=None):
+    chunks = list(output.view(-1).chunk(dist.get_world_size(group)))
+    chunks[dist.get_rank(group)].copy_(input.view(-1))
+    _ring(chunks, group, 0, False)
+    return output
 
 def ring_all_reduce(tensor, group=None):
     dist.all_reduce(tensor)       # right values, wrong method: not a ring from send/recv
@@ -81,17 +106,18 @@ def test_csv_over_folders_and_zips_scores_each_student(tmp_path):
     with zipfile.ZipFile(subs / "bob.zip", "w") as z:
         z.write(half / "ex00_collectives.py", "exercises/ex00_collectives.py")
     out = tmp_path / "grades.csv"
-    r = _grade(subs, "--csv", out, env={"PYTHONPATH": str(REPO)})
+    r = _grade(subs, "--csv", out)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.reader(out.open()))
-    assert rows == [["student", "ex00", "total"], ["alice", "21", "21"], ["bob", str(HALF_CORRECT), str(HALF_CORRECT)]]
+    assert rows == [["student", "ex00", "total", "notes"], ["alice", "21", "21", ""],
+                    ["bob", str(HALF_CORRECT), str(HALF_CORRECT), ""]]
 
 
 def test_hostile_submission_scores_zero_in_bounded_time_and_results_json_is_valid(tmp_path):
     hostile = _write(tmp_path / "hostile", HOSTILE)
     results = tmp_path / "results.json"
     t0 = time.monotonic()
-    r = _grade(hostile, "--gradescope", results, env={"ZEROLAB_TEST_TIMEOUT": "5"})
+    r = _grade(hostile, "--gradescope", results, "--rank-timeout", 5)
     assert time.monotonic() - t0 < 300, "grading hanging code must end in bounded time"
     data = json.loads(results.read_text())
     jsonschema.validate(data, SCHEMA)
