@@ -135,3 +135,43 @@ def test_results_json_is_written_even_when_grading_cannot_start(tmp_path):
     data = json.loads(results.read_text())
     jsonschema.validate(data, SCHEMA)
     assert data["score"] == 0 and "no such exercises folder" in data["output"]
+
+
+def test_outside_a_checkout_the_grader_says_what_it_needs(tmp_path):
+    # An installed zerolab (a copy of the package, no tests/graded next to it), run from elsewhere.
+    shutil.copytree(REPO / "zerolab", tmp_path / "site" / "zerolab",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "elsewhere").mkdir()
+    results = tmp_path / "results.json"
+    r = subprocess.run([sys.executable, "-m", "zerolab", "grade", "--gradescope", str(results)],
+                       cwd=tmp_path / "elsewhere", capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+    assert r.returncode == 1
+    needs = "the graded tests live in a zerolab checkout (tests/graded): run from one, or pass --tests PATH"
+    assert needs in r.stderr
+    data = json.loads(results.read_text())
+    jsonschema.validate(data, SCHEMA)
+    assert data["score"] == 0 and needs in data["output"]
+
+
+def test_rank_timeout_must_be_below_the_test_timeout(tmp_path):
+    results = tmp_path / "results.json"
+    r = _grade(REPO / "exercises", "--rank-timeout", 300, "--gradescope", results, timeout=120)
+    assert r.returncode == 1
+    assert "rank_timeout (300 s) must be below test_timeout (240 s)" in json.loads(results.read_text())["output"]
+
+
+def test_zerolab_stays_light_and_never_imports_the_grader():
+    import ast
+    for path in (REPO / "zerolab").glob("*.py"):
+        if path.name == "__main__.py":
+            continue  # the command line: the layer above the grader
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "zerolab.grade" or n.startswith("zerolab.grade.") for n in names), path
+    code = "import sys, zerolab, zerolab.grade; print(sorted(m for m in ('torch', 'pytest') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr   # the grader's parent process needs neither
+    r = subprocess.run([sys.executable, "-m", "zerolab"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "zerolab grade" in r.stderr
