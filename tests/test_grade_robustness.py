@@ -174,7 +174,7 @@ def test_exit_at_import_is_not_retried(tmp_path, graded, how, first):
 
 
 def test_hanging_import_is_not_retried(tmp_path, graded):
-    r, data, seconds = grade(submission(tmp_path, "import time\ntime.sleep(600)\n" + GOOD), "--test-timeout", 15,
+    r, data, seconds = grade(submission(tmp_path, "import time\ntime.sleep(600)\n" + GOOD), "--test-timeout", 8,
                              tests=graded)
     tests = by_name(data)
     assert data["score"] == 0
@@ -192,6 +192,23 @@ def test_budget_stops_the_submission_and_kills_its_ranks(tmp_path, graded):
     assert "time budget (25 s, --budget) ran out while this test ran" in tests["test_total"]["output"]
     assert "not run: the submission's time budget (25 s, --budget) ran out" in tests["test_total_again"]["output"]
     assert seconds < 25 + 30
+
+
+def test_a_deadlock_in_one_exercise_leaves_the_next_its_share(tmp_path, graded):
+    # Two exercises share a 40 s budget: ex00 deadlocks (its rank limit, 60 s, is beyond its share).
+    (graded / "test_ex01_more.py").write_text(
+        "import pytest\nfrom zerolab.grade.helpers import exercise_module\n\n\n@pytest.mark.points(5)\n"
+        "def test_triple():\n    assert exercise_module('ex01_more').triple(2) == 6\n")
+    hang = GOOD.replace("    dist.all_reduce(t)", "    import time\n    time.sleep(600)")
+    sub = submission(tmp_path, hang)
+    (sub / "ex01_more.py").write_text("def triple(x):\n    return 3 * x\n")
+    r, data, seconds = grade(sub, "--budget", 40, "--rank-timeout", 30, lessons=None, tests=graded)
+    tests = by_name(data)
+    assert data["score"] == 1 + 5, data
+    assert "exercise 00's share of the time budget (--budget 40 s, shared by the exercises left) ran out " \
+           "while this test ran" in tests["test_total"]["output"]
+    assert tests["test_total_again"]["output"].startswith("not run: exercise 00's share")
+    assert tests["test_triple"]["status"] == "passed"
 
 
 def test_reference_implementation_found_at_run_time_scores_the_exercise_zero(tmp_path, graded):

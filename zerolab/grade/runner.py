@@ -1,11 +1,5 @@
-"""The grader: score a student's exercises with the graded tests of a zerolab checkout.
-
-    zerolab grade [PATH]                       # PATH: a folder of exNN_*.py (default: exercises/)
-    zerolab grade PATH --gradescope results.json
-    zerolab grade SUBMISSIONS --csv grades.csv # a folder of students' folders or .zip files
-    options: --lessons 00 03  --tests PATH  --budget S  --test-timeout S  --rank-timeout S
-
-In a notebook, ``zerolab.grade.check("03")`` grades one lesson and prints the result inline.
+"""Run the graded tests of a zerolab checkout on one submission and score them: :func:`run_graded`.
+(The command line, the notebook's ``check`` and the result formats: :mod:`zerolab.grade.cli`.)
 
 Before any test runs, each submitted ``exNN_*.py`` is read, never executed: a missing file, a
 syntax error, or a use of the exercise's reference implementation (the test file's
@@ -20,10 +14,11 @@ killed rank is a RankError. If student code takes down the child process, the te
 running scores 0 with the reason and a new child runs the tests that remain. An import that hangs
 or ends its process is not retried: that exercise's remaining tests score 0 with the reason.
 
-Time: a submission has a budget (``--budget``, all its tests together). When it runs out, the
-child and every process it started are killed; the test running and those not run score 0.
+Time: a submission has a budget (``--budget``, default 120 s per exercise graded), shared by its
+exercises: each, when it starts, gets the time left divided by the exercises left. When a share
+runs out, the child and every process it started are killed, that exercise's test running and
+those not run score 0, and a new child grades the next exercises.
 """
-import csv
 import json
 import os
 import pathlib
@@ -34,21 +29,21 @@ import sys
 import tempfile
 import threading
 import time
-import zipfile
 
-from zerolab.grade.checkout import checkout_root, exercise_name, graded_dir
+from zerolab.grade.checkout import exercise_name, graded_dir
 from zerolab.grade.references import REFUSED, declaration, static_check
 
 TEST_TIMEOUT = 240.0  # seconds per graded test, the ranks' start-up included
-RANK_TIMEOUT = 60.0   # seconds per run on the ranks (at most half the test's limit)
-BUDGET = 900.0        # seconds per submission; the solutions take under a minute on 2 cores
+RANK_TIMEOUT = 60.0   # default seconds per run on the ranks (at most half the test's limit)
+BUDGET_PER_EXERCISE = 120.0  # default budget, per exercise graded: the ten solutions take 36-80 s
+                             # in all on 2 cores; a deadlocked ring took 9 x 60 s for lesson 00 alone
 OUTPUT_TAIL = 20_000  # characters of the child's output kept: a submission may print megabytes
-ZIP_LIMIT = 50 << 20  # bytes a submitted .zip may expand to
 PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # the zerolab package the child imports
 
 
-def _options(test_timeout, rank_timeout, budget):
-    """(test_timeout, rank_timeout, budget) validated; ValueError naming the bad value."""
+def _options(test_timeout, rank_timeout, budget, exercises):
+    """(test_timeout, rank_timeout, budget) validated, defaults filled in; ValueError naming the
+    bad value."""
     def seconds(name, value):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -60,10 +55,12 @@ def _options(test_timeout, rank_timeout, budget):
         raise ValueError(f"rank_timeout ({rank_timeout:g} s) must be below test_timeout "
                          f"({test_timeout:g} s): a stuck test must end as a RankTimeout, which restarts "
                          f"the ranks, not as a pytest-timeout kill that leaves them stuck")
+    budget = BUDGET_PER_EXERCISE * exercises if budget is None else budget
     return test_timeout, rank_timeout, seconds("budget", budget)
 
 
-def _files(graded, lessons):
+def graded_files(graded, lessons):
+    """The graded test files of ``lessons`` (all when None) in the folder ``graded``."""
     files = sorted(graded.glob("test_ex[0-9][0-9]_*.py"))
     if lessons:
         wanted = set()
@@ -150,37 +147,67 @@ def _child_env(impl, rank_timeout, tmp, tag):
     return env
 
 
-def _read_events(path, collected, results):
-    """Fold one child's events into ``collected`` and ``results``; return the test it was running
-    when it ended (None if it was between tests)."""
-    running = None
-    if path.exists():
-        for line in path.read_text().splitlines():
+class _Events:
+    """What the child processes reported: the tests collected (nodeid -> event, in order), their
+    results, and the test running now. Read as the child writes, one complete line at a time."""
+
+    def __init__(self):
+        self.collected, self.results, self.running = {}, {}, None
+        self.path, self._offset = None, 0
+
+    def follow(self, path):
+        """From now on, read the events of a new child, written to ``path``."""
+        self.path, self._offset, self.running = path, 0, None
+
+    def read(self):
+        if not self.path.exists():
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        complete = data[:data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        for line in complete.decode().splitlines():
             ev = json.loads(line)
             if ev["event"] == "collected":
-                collected.setdefault(ev["nodeid"], ev)
+                self.collected.setdefault(ev["nodeid"], ev)
             elif ev["event"] == "start":
-                running = ev["nodeid"]
+                self.running = ev["nodeid"]
             else:
-                results[ev["nodeid"]] = ev
-                running = None
-    return running
+                self.results[ev["nodeid"]] = ev
+                self.running = None
+
+    def lessons_left(self):
+        return sorted({_lesson(n) for n in self.collected if n not in self.results})
 
 
-def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=None, budget=BUDGET,
+def _lesson(nodeid):
+    return re.search(r"test_ex(\d\d)", nodeid).group(1)
+
+
+def _failed(message, output=""):
+    return {"outcome": "failed", "message": message, "output": output}
+
+
+def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=None, budget=None,
                tests=None):
     """Grade the exercise folder ``impl``; returns one row per graded test (in collection order):
     {nodeid, lesson, points, score, outcome, message, output}. ``tests``: the folder of graded
-    test files (default: the checkout's tests/graded); other options: see the module docstring."""
-    test_timeout, rank_timeout, budget = _options(test_timeout, rank_timeout, budget)
+    test files (default: the checkout's tests/graded); other options: see the module docstring.
+
+    The budget is shared fairly: when an exercise's first test starts, it gets the time left
+    divided by the number of exercises left (time it does not use goes to the next ones), so
+    that a deadlock in one exercise cannot cost the others their points."""
     graded = graded_dir(tests)
+    files = graded_files(graded, lessons)
+    test_timeout, rank_timeout, budget = _options(test_timeout, rank_timeout, budget, len(files))
     impl = pathlib.Path(impl).resolve()
     if not impl.is_dir():
         raise FileNotFoundError(f"no such exercises folder: {impl}")
-    files = _files(graded, lessons)
     verdicts = _static_verdicts(impl, files)
     deadline = time.monotonic() + budget
-    collected, results, out_of_time = {}, {}, False
+    ev = _Events()
+    lesson, lesson_deadline = None, deadline  # the exercise running, and the end of its share
     with tempfile.TemporaryDirectory(prefix="zerolab-grade-") as tmp:
         tmp = pathlib.Path(tmp)
         (tmp / "marks").mkdir()
@@ -188,48 +215,61 @@ def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=No
         (tmp / "sys_path" / "zerolab").symlink_to(PACKAGE, target_is_directory=True)
         tag = secrets.token_hex(8)
         env = _child_env(impl, rank_timeout, tmp, tag)
-        for attempt in range(1_000_000):  # each pass resumes after a crash of the child; ends below
-            remaining = ([ev["arg"] for n, ev in collected.items() if n not in results] if collected
-                         else [str(f) for f in files])
+        for attempt in range(1_000_000):  # each pass resumes after a crash or a stop; ends below
+            remaining = ([e["arg"] for n, e in ev.collected.items() if n not in ev.results]
+                         if ev.collected else [str(f) for f in files])
             config = tmp / f"child{attempt}.json"
-            events = tmp / f"events{attempt}.jsonl"
-            config.write_text(json.dumps({"events": str(events), "verdicts": verdicts,
+            ev.follow(tmp / f"events{attempt}.jsonl")
+            config.write_text(json.dumps({"events": str(ev.path), "verdicts": verdicts,
                                           "marks": str(tmp / "marks")}))
             proc = subprocess.Popen(
                 [sys.executable, "-m", "zerolab.grade.child", str(config), "-q", "--no-header",
                  "-p", "no:cacheprovider", "-o", "addopts=", "-o", "pythonpath=",
-                 "--continue-on-collection-errors", f"--timeout={test_timeout:g}", *remaining],
+                 "--continue-on-collection-errors", "--show-capture=no", f"--timeout={test_timeout:g}",
+                 *remaining],
                 cwd=tmp, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True)
-            tail = _Tail(proc.stdout)
+            # over: (why the child was stopped, the exercise whose tests it stopped; None: all)
+            tail, done_before, over = _Tail(proc.stdout), len(ev.results), None
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                out_of_time = True
+                while proc.poll() is None and over is None:
+                    time.sleep(0.2)
+                    ev.read()
+                    now = time.monotonic()
+                    if ev.running and _lesson(ev.running) != lesson:  # an exercise starts: its share
+                        lesson = _lesson(ev.running)
+                        lesson_deadline = now + (deadline - now) / max(1, len(ev.lessons_left()))
+                    if now >= deadline:
+                        over = (f"the submission's time budget ({budget:g} s, --budget) ran out", None)
+                    elif now >= lesson_deadline:
+                        over = (f"exercise {lesson}'s share of the time budget (--budget {budget:g} s, "
+                                f"shared by the exercises left) ran out", lesson)
             finally:
                 _kill_all(proc, tag)
                 tail.join(5)
+            ev.read()
             output = tail.text()
-            done_before = len(results)
-            running = _read_events(events, collected, results)
-            if not collected:  # the test files themselves could not be collected
-                raise RuntimeError("the graded tests could not be collected:\n" + output[-3000:])
-            if running is not None and running not in results:
-                why = (f"the submission's time budget ({budget:g} s, --budget) ran out while this test ran"
-                       if out_of_time else
-                       f"this test crashed the grading process (exit code {proc.returncode})")
-                results[running] = {"outcome": "failed", "message": why, "output": output[-4000:]}
-            if out_of_time or len(results) == done_before or all(n in results for n in collected):
+            if not ev.collected:  # the test files themselves could not be collected
+                raise RuntimeError((over[0] + " before the graded tests were collected") if over else
+                                   "the graded tests could not be collected:\n" + output[-3000:])
+            if ev.running is not None and ev.running not in ev.results:
+                ev.results[ev.running] = _failed(
+                    f"{over[0]} while this test ran" if over else
+                    f"this test crashed the grading process (exit code {proc.returncode})", output[-4000:])
+            if over:  # the tests it stopped short of: the exercise's, or all when the budget is spent
+                for n in ev.collected:
+                    if n not in ev.results and over[1] in (None, _lesson(n)):
+                        ev.results[n] = _failed(f"not run: {over[0]}")
+                lesson, lesson_deadline = None, deadline  # the next exercise gets its own share
+            if len(ev.results) == done_before or all(n in ev.results for n in ev.collected):
                 break
-    not_run = (f"not run: the submission's time budget ({budget:g} s, --budget) ran out" if out_of_time
-               else "not run: the grading process ended before this test")
     rows = []
-    for nodeid, ev in collected.items():
-        r = results.get(nodeid, {"outcome": "failed", "message": not_run, "output": ""})
+    for nodeid, e in ev.collected.items():
+        r = ev.results.get(nodeid, _failed("not run: the grading process ended before this test"))
         passed = r["outcome"] == "passed"
-        rows.append({"nodeid": nodeid, "lesson": re.search(r"test_ex(\d\d)", nodeid).group(1),
-                     "points": ev["points"], "score": ev["points"] if passed else 0,
-                     "outcome": r["outcome"], "message": r.get("message", ""), "output": r.get("output", "")})
+        rows.append({"nodeid": nodeid, "lesson": _lesson(nodeid), "points": e["points"],
+                     "score": e["points"] if passed else 0, "outcome": r["outcome"],
+                     "message": r.get("message", ""), "output": r.get("output", "")})
     return _refuse_whole_exercises(rows)
 
 
@@ -244,151 +284,3 @@ def _refuse_whole_exercises(rows):
                     r.update(score=0, outcome="failed" if r["outcome"] == "passed" else r["outcome"],
                              message=refusal[refusal.index(REFUSED):])
     return rows
-
-
-def notes(rows):
-    """One line per exercise scored 0 without (fully) running: refused, missing, not compiling,
-    import hung, time budget."""
-    seen = {}
-    for r in rows:
-        m = r["message"]
-        if m.startswith("not run: ") or m.startswith(REFUSED) or "time budget" in m:
-            seen.setdefault(r["lesson"], re.sub(r"^not run: ", "", m))
-    return [f"ex{lesson}: {m}" for lesson, m in sorted(seen.items())]
-
-
-def _table(rows):
-    lines, previous = [], None
-    for lesson in sorted({r["lesson"] for r in rows}):
-        mine = [r for r in rows if r["lesson"] == lesson]
-        lines.append(f"Exercise {lesson}: {sum(r['score'] for r in mine)} / {sum(r['points'] for r in mine)} points")
-        for r in mine:
-            mark = "PASS" if r["outcome"] == "passed" else "FAIL"
-            lines.append(f"  {mark} {r['nodeid'].split('::', 1)[-1]:<48} {r['score']}/{r['points']}")
-            # A stub fails the same way on every world size: say why once.
-            reason = re.sub(r"^ranks? [\d, ]+ raised ", "", r["message"])
-            if reason and reason != previous:
-                lines.append(f"       {reason}")
-            previous = reason
-    return "\n".join(lines)
-
-
-def check(lesson, path=None, **options):
-    """Grade one lesson's exercises (default: the checkout's exercises/) and print the result.
-    Returns (points scored, points possible). ``options``: as :func:`run_graded`'s."""
-    rows = run_graded(path or checkout_root() / "exercises", lessons=[lesson], **options)
-    print(_table(rows))
-    return sum(r["score"] for r in rows), sum(r["points"] for r in rows)
-
-
-def gradescope_results(rows, error=None):
-    """Gradescope's autograder results.json format."""
-    tests = [{"name": r["nodeid"].split("::", 1)[-1], "number": f"{r['lesson']}.{i + 1}",
-              "score": r["score"], "max_score": r["points"],
-              "status": "passed" if r["outcome"] == "passed" else "failed",
-              "output": r["message"] + ("\n\n" + r["output"] if r["output"] else ""),
-              "visibility": "visible"} for i, r in enumerate(rows)]
-    out = {"score": sum(r["score"] for r in rows), "tests": tests,
-           "output": error or "\n".join([f"{len(rows)} graded tests run", *notes(rows)])}
-    if rows:
-        out["max_score"] = sum(r["points"] for r in rows)
-    return out
-
-
-def _exercise_folder(root):
-    """The folder of a submission that holds its exNN_*.py files (they may sit one level down)."""
-    if any(root.glob("ex[0-9][0-9]_*.py")):
-        return root
-    found = sorted({p.parent for p in root.rglob("ex[0-9][0-9]_*.py")})
-    return found[0] if found else root
-
-
-def _unpack(entry, workdir):
-    """The exercises folder of one submission: a folder, or a .zip extracted under ``workdir``."""
-    if entry.is_dir():
-        return _exercise_folder(entry)
-    target = pathlib.Path(workdir) / entry.stem
-    try:
-        with zipfile.ZipFile(entry) as z:
-            size = sum(i.file_size for i in z.infolist())
-            if size > ZIP_LIMIT:
-                raise ValueError(f"{entry.name} expands to {size} bytes, more than the {ZIP_LIMIT} allowed")
-            z.extractall(target)  # member names with '..' or absolute paths stay inside target
-    except (zipfile.BadZipFile, EOFError, OSError) as exc:
-        raise ValueError(f"{entry.name} is not a readable .zip file ({exc})") from None
-    return _exercise_folder(target)
-
-
-def grade_submissions(folder, csv_path, lessons=None, **options):
-    """Grade every subfolder or .zip of ``folder``; one row per student in ``csv_path``, written
-    as each finishes: a score per exercise, the total, and notes (why an exercise scored 0 without
-    running, or why a submission could not be graded: it scores 0, the others are unaffected)."""
-    folder = pathlib.Path(folder)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"no such submissions folder: {folder}")
-    lessons_all = sorted({f.name[7:9] for f in _files(graded_dir(options.get("tests")), lessons)})
-    entries = [e for e in sorted(folder.iterdir()) if e.is_dir() or e.suffix == ".zip"]
-    with tempfile.TemporaryDirectory(prefix="zerolab-submissions-") as work, \
-            open(csv_path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["student", *[f"ex{lesson}" for lesson in lessons_all], "total", "notes"])
-        for entry in entries:
-            student = entry.stem if entry.suffix == ".zip" else entry.name
-            scores, remarks = [0] * len(lessons_all), []
-            try:
-                rows = run_graded(_unpack(entry, work), lessons, **options)
-                scores = [sum(r["score"] for r in rows if r["lesson"] == lesson) for lesson in lessons_all]
-                remarks = notes(rows)
-            except Exception as exc:  # this submission scores 0; the batch goes on
-                remarks = [f"not graded: {exc}".splitlines()[0]]
-            writer.writerow([student, *scores, sum(scores), "; ".join(remarks)])
-            f.flush()
-            print(f"{student}: {sum(scores)}" + (f"  ({'; '.join(remarks)})" if remarks else ""))
-    return 0
-
-
-def main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(prog="zerolab grade", description="Grade exercises with the graded tests.")
-    ap.add_argument("path", nargs="?", help="folder of exNN_*.py files (default: the checkout's "
-                                            "exercises/); with --csv, a folder of submissions")
-    ap.add_argument("--lessons", nargs="*", help="only these lessons, e.g. 00 03")
-    ap.add_argument("--gradescope", nargs="?", const="results.json", metavar="RESULTS_JSON",
-                    help="write Gradescope's results.json (default name results.json)")
-    ap.add_argument("--csv", metavar="GRADES_CSV", help="grade every submission in PATH; one row per student")
-    ap.add_argument("--tests", metavar="PATH", help="folder of graded test files (default: tests/graded "
-                                                    "of the zerolab checkout)")
-    ap.add_argument("--budget", type=float, default=BUDGET,
-                    help=f"seconds for one submission's tests together (default {BUDGET:g}); when they "
-                         f"run out, the test running and those not run score 0")
-    ap.add_argument("--test-timeout", type=float, default=TEST_TIMEOUT,
-                    help=f"seconds per graded test, ranks' start-up included (default {TEST_TIMEOUT:g})")
-    ap.add_argument("--rank-timeout", type=float, default=None,
-                    help=f"seconds per run on the ranks (sets ZEROLAB_TEST_TIMEOUT; default "
-                         f"{RANK_TIMEOUT:g} or half the test timeout if less); must be below --test-timeout")
-    args = ap.parse_args(argv)
-    options = dict(test_timeout=args.test_timeout, rank_timeout=args.rank_timeout,
-                   budget=args.budget, tests=args.tests)
-
-    if args.csv:
-        try:
-            return grade_submissions(args.path or ".", args.csv, args.lessons, **options)
-        except Exception as exc:
-            print(f"grading failed: {exc}", file=sys.stderr)
-            return 1
-
-    rows, error = [], None
-    try:
-        rows = run_graded(args.path or checkout_root() / "exercises", args.lessons, **options)
-        print(_table(rows))
-    except Exception as exc:  # the grader itself must always produce a result file
-        error = f"grading failed: {exc}"
-        print(error, file=sys.stderr)
-    finally:
-        if args.gradescope:
-            pathlib.Path(args.gradescope).write_text(json.dumps(gradescope_results(rows, error), indent=2))
-    if rows:
-        print(f"\nTotal: {sum(r['score'] for r in rows)} / {sum(r['points'] for r in rows)} points")
-        for line in notes(rows):
-            print(line)
-    return 0 if error is None else 1
