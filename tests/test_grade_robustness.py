@@ -95,7 +95,7 @@ def leftovers(folder):
     found = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get("ZEROLAB_IMPL") == str(folder):
+            if p.environ().get("ZEROLAB_IMPL") == str(folder.resolve()):
                 found.append(p.cmdline())
         except psutil.Error:
             pass
@@ -254,6 +254,7 @@ def test_csv_batch_survives_a_corrupt_zip(tmp_path, graded):
                         "--tests", str(graded), "--rank-timeout", str(RANK_TIMEOUT)],
                        cwd=REPO, capture_output=True, text=True, timeout=BOUND * 3)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert not leftovers(subs / "alice")
     rows = list(csv.reader(out.open()))
     assert rows[0] == ["student", "ex00", "total", "notes"]
     assert rows[1] == ["alice", "4", "4", ""]

@@ -150,8 +150,10 @@ def main(argv=None):
                    budget=args.budget, tests=args.tests)
 
     if args.csv:
+        if args.path is None:
+            ap.error("--csv needs PATH, the folder of submissions (students' folders or .zip files)")
         try:
-            return grade_submissions(args.path or ".", args.csv, args.lessons, **options)
+            return grade_submissions(args.path, args.csv, args.lessons, **options)
         except Exception as exc:
             print(f"grading failed: {exc}", file=sys.stderr)
             return 1

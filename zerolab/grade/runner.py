@@ -14,7 +14,7 @@ killed rank is a RankError. If student code takes down the child process, the te
 running scores 0 with the reason and a new child runs the tests that remain. An import that hangs
 or ends its process is not retried: that exercise's remaining tests score 0 with the reason.
 
-Time: a submission has a budget (``--budget``, default 120 s per exercise graded), shared by its
+Time: a submission has a budget (``--budget``, default 240 s per exercise graded), shared by its
 exercises: each, when it starts, gets the time left divided by the exercises left. When a share
 runs out, the child and every process it started are killed, that exercise's test running and
 those not run score 0, and a new child grades the next exercises.
@@ -34,9 +34,10 @@ from zerolab.grade.checkout import exercise_name, graded_dir
 from zerolab.grade.references import REFUSED, declaration, static_check
 
 TEST_TIMEOUT = 240.0  # seconds per graded test, the ranks' start-up included
-RANK_TIMEOUT = 60.0   # default seconds per run on the ranks (at most half the test's limit)
-BUDGET_PER_EXERCISE = 120.0  # default budget, per exercise graded: the ten solutions take 36-80 s
-                             # in all on 2 cores; a deadlocked ring took 9 x 60 s for lesson 00 alone
+RANK_TIMEOUT = 30.0   # default seconds per run on the ranks (at most half the test's limit): the
+                      # graded runs take under 5 s on 2 cores at load 7; a hang costs this + a restart
+BUDGET_PER_EXERCISE = 240.0  # default budget, per exercise graded: room for one function that deadlocks
+                             # at every world size (3 hangs) and the rest; the ten solutions take 36-80 s
 OUTPUT_TAIL = 20_000  # characters of the child's output kept: a submission may print megabytes
 PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # the zerolab package the child imports
 
