@@ -230,13 +230,17 @@ def test_solutions_are_not_importable_by_a_submission(tmp_path, graded):
     assert data["score"] == 3
 
 
-def test_solutions_import_scores_zero_on_the_real_lesson(tmp_path):
-    sub = submission(tmp_path, "from solutions.ex00_collectives import *\n", name="ex00_collectives.py")
-    r, data, seconds = grade(sub)
+@pytest.mark.parametrize("source, used", [
+    ("from solutions.ex00_collectives import *\n",
+     "solutions.ex00_collectives.*, from solutions: the course's worked answers"),
+    ("from zerolab.ring import ring_reduce_scatter, ring_all_gather, ring_all_reduce\n",
+     "zerolab.ring.ring_reduce_scatter, from zerolab.ring: the reference implementation of this exercise"),
+])
+def test_reference_imports_score_zero_on_the_real_lesson(tmp_path, source, used):
+    r, data, seconds = grade(submission(tmp_path, source, name="ex00_collectives.py"))
     assert r.returncode == 0 and data["score"] == 0 and data["max_score"] == 21 and len(data["tests"]) == 9
     for t in data["tests"]:  # refused before any test runs: no rank started
-        assert t["output"].startswith("refused: ex00_collectives.py line 1 uses solutions.ex00_collectives.*, "
-                                      "from solutions: the course's worked answers"), t["output"]
+        assert t["output"].startswith(f"refused: ex00_collectives.py line 1 uses {used}"), t["output"]
     assert "ex00: refused: " in data["output"]
 
 
