@@ -48,6 +48,12 @@ test: setup
 	$(PY) -m pytest tests/graded -q --impl exercises --stubs-must-fail
 	$(PY) -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout=600 notebooks
 
+# The inner loop: unit + multi-process tests and the graded tests both ways, without the browser
+# test, the `make lab` test and the notebooks (nbval). CI runs `make test`.
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q --impl solutions --ignore=tests/test_browser.py --ignore=tests/test_make_lab.py
+	$(PY) -m pytest tests/graded -q --impl exercises --stubs-must-fail
+
 # Your own exercises, graded (the same tests the autograder runs).
 grade: $(STAMP)
 	$(PY) -m zerolab grade

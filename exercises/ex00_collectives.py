@@ -4,7 +4,7 @@ Fill in the three functions. Use only ``torch.distributed.isend/irecv/send/recv`
 ``zerolab.comm``'s wrappers, or ``zerolab.ring.exchange`` for one ring step): the graded tests
 make every torch collective raise while your code runs, and count the bytes each rank sends.
 
-Grade your work:  ``make grade`` or, in lesson 00, ``zerolab.check("00")``.
+Grade your work:  ``make grade`` or, in lesson 00, ``zerolab.grade.check("00")``.
 """
 
 

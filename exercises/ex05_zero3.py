@@ -11,9 +11,9 @@ write HOW. Each ``unit`` (a :class:`zerolab.units.Unit`) has:
 
 Plug your functions into the engine and train::
 
-    from zerolab import initialize
-    from zerolab.grading import exercise_module
-    engine = initialize(model, stage=3, ops=exercise_module("ex05_zero3"))   # this file
+    import zerolab
+    from zerolab.grade.helpers import exercise_module
+    engine = zerolab.initialize(model, stage=3, ops=exercise_module("ex05_zero3"))   # this file
 
 Use ``zerolab.comm`` for the collectives. Grade your work: ``zerolab.grade.check("05")``.
 """

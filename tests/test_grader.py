@@ -32,9 +32,34 @@ SCHEMA = {
 # reduce_scatter 2 x 3 world sizes, all_gather 2 x 3, all_reduce 3 x 3.
 HALF_CORRECT = 2 * 3 + 2 * 3
 
+# A student who wrote two of the three rings (with the one ring step the exercise offers) and
+# took a shortcut for the third.
 HALF = '''
+import torch
 import torch.distributed as dist
-from solutions.ex00_collectives import ring_reduce_scatter, ring_all_gather  # correct
+from zerolab.ring import exchange
+
+def _ring(chunks, group, offset, reduce):
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    for step in range(n - 1):
+        out_i = (rank - step - offset) % n
+        in_i = (out_i - 1) % n
+        incoming = torch.empty_like(chunks[in_i]) if reduce else chunks[in_i]
+        exchange(chunks[out_i], incoming, (rank + 1) % n, (rank - 1) % n, group)
+        if reduce:
+            chunks[in_i] += incoming
+
+def ring_reduce_scatter(output, input, group=None):
+    chunks = list(input.detach().clone().view(-1).chunk(dist.get_world_size(group)))
+    _ring(chunks, group, 1, True)
+    output.view(-1).copy_(chunks[dist.get_rank(group)])
+    return output
+
+def ring_all_gather(output, input, group=None):
+    chunks = list(output.view(-1).chunk(dist.get_world_size(group)))
+    chunks[dist.get_rank(group)].copy_(input.view(-1))
+    _ring(chunks, group, 0, False)
+    return output
 
 def ring_all_reduce(tensor, group=None):
     dist.all_reduce(tensor)       # right values, wrong method: not a ring from send/recv
@@ -81,17 +106,18 @@ def test_csv_over_folders_and_zips_scores_each_student(tmp_path):
     with zipfile.ZipFile(subs / "bob.zip", "w") as z:
         z.write(half / "ex00_collectives.py", "exercises/ex00_collectives.py")
     out = tmp_path / "grades.csv"
-    r = _grade(subs, "--csv", out, env={"PYTHONPATH": str(REPO)})
+    r = _grade(subs, "--csv", out)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.reader(out.open()))
-    assert rows == [["student", "ex00", "total"], ["alice", "21", "21"], ["bob", str(HALF_CORRECT), str(HALF_CORRECT)]]
+    assert rows == [["student", "ex00", "total", "notes"], ["alice", "21", "21", ""],
+                    ["bob", str(HALF_CORRECT), str(HALF_CORRECT), ""]]
 
 
 def test_hostile_submission_scores_zero_in_bounded_time_and_results_json_is_valid(tmp_path):
     hostile = _write(tmp_path / "hostile", HOSTILE)
     results = tmp_path / "results.json"
     t0 = time.monotonic()
-    r = _grade(hostile, "--gradescope", results, env={"ZEROLAB_TEST_TIMEOUT": "5"})
+    r = _grade(hostile, "--gradescope", results, "--rank-timeout", 5)
     assert time.monotonic() - t0 < 300, "grading hanging code must end in bounded time"
     data = json.loads(results.read_text())
     jsonschema.validate(data, SCHEMA)
@@ -109,3 +135,43 @@ def test_results_json_is_written_even_when_grading_cannot_start(tmp_path):
     data = json.loads(results.read_text())
     jsonschema.validate(data, SCHEMA)
     assert data["score"] == 0 and "no such exercises folder" in data["output"]
+
+
+def test_outside_a_checkout_the_grader_says_what_it_needs(tmp_path):
+    # An installed zerolab (a copy of the package, no tests/graded next to it), run from elsewhere.
+    shutil.copytree(REPO / "zerolab", tmp_path / "site" / "zerolab",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "elsewhere").mkdir()
+    results = tmp_path / "results.json"
+    r = subprocess.run([sys.executable, "-m", "zerolab", "grade", "--gradescope", str(results)],
+                       cwd=tmp_path / "elsewhere", capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path / "site")))
+    assert r.returncode == 1
+    needs = "the graded tests live in a zerolab checkout (tests/graded): run from one, or pass --tests PATH"
+    assert needs in r.stderr
+    data = json.loads(results.read_text())
+    jsonschema.validate(data, SCHEMA)
+    assert data["score"] == 0 and needs in data["output"]
+
+
+def test_rank_timeout_must_be_below_the_test_timeout(tmp_path):
+    results = tmp_path / "results.json"
+    r = _grade(REPO / "exercises", "--rank-timeout", 300, "--gradescope", results, timeout=120)
+    assert r.returncode == 1
+    assert "rank_timeout (300 s) must be below test_timeout (240 s)" in json.loads(results.read_text())["output"]
+
+
+def test_zerolab_stays_light_and_never_imports_the_grader():
+    import ast
+    for path in (REPO / "zerolab").glob("*.py"):
+        if path.name == "__main__.py":
+            continue  # the command line: the layer above the grader
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "zerolab.grade" or n.startswith("zerolab.grade.") for n in names), path
+    code = "import sys, zerolab, zerolab.grade; print(sorted(m for m in ('torch', 'pytest') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr   # the grader's parent process needs neither
+    r = subprocess.run([sys.executable, "-m", "zerolab"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and "zerolab grade" in r.stderr

@@ -396,7 +396,7 @@ class Zero2Gradients(s.Zero2Gradients):  # right, but the full-size bucket buffe
 def _graded_verdicts(impl_dir, test_file, checks):
     import importlib.util
     import os
-    from zerolab.grading import REPO
+    from zerolab.grade.helpers import REPO
     spec = importlib.util.spec_from_file_location(f"graded_{test_file}", REPO / "tests" / "graded" / f"{test_file}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -6,14 +6,25 @@
 import sys
 
 
+def _grade(argv):
+    from zerolab.grade import main  # imported here: `import zerolab` stays light
+    return main(argv)
+
+
+def _demo(argv):
+    from zerolab.demo import main
+    return main(argv)
+
+
+COMMANDS = {"grade": _grade, "demo": _demo}
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"grade": "zerolab.grade", "demo": "zerolab.demo"}
-    if not argv or argv[0] not in commands:
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    import importlib
-    return importlib.import_module(commands[argv[0]]).main(argv[1:]) or 0
+    return COMMANDS[argv[0]](argv[1:]) or 0
 
 
 if __name__ == "__main__":

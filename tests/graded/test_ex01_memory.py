@@ -8,7 +8,12 @@ import torch
 import torch.nn as nn
 
 from zerolab import models
-from zerolab.grading import exercise_module
+from zerolab.grade.helpers import exercise_module
+
+# The reference implementation of this exercise: a submission that uses it scores 0
+# (checked before and while the tests run, by zerolab.grade.references).
+REFERENCE_MODULES = ["zerolab.memory", "zerolab.calculator"]
+REFERENCE_ALLOWED = ["zerolab.memory.PRECISIONS"]  # bytes per element, a table
 
 PSI, N = 7.5e9, 64
 

@@ -9,7 +9,15 @@ import torch
 import torch.distributed as dist
 
 from zerolab import comm, models
-from zerolab.grading import assert_close, exercise_module
+from zerolab.grade.helpers import assert_close, exercise_module
+
+# The reference implementation of this exercise: a submission that uses it scores 0
+# (checked before and while the tests run, by zerolab.grade.references).
+REFERENCE_MODULES = ["zerolab.data_parallel", "zerolab.DataParallel"]
+REFERENCE_ALLOWED = [  # offered by the exercise
+    "zerolab.data_parallel.Bucket",
+    "zerolab.data_parallel.assign_buckets",
+]
 
 GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
 

@@ -6,7 +6,11 @@ import torch
 import torch.distributed as dist
 
 from zerolab import models
-from zerolab.grading import assert_close, exercise_module, record_collectives
+from zerolab.grade.helpers import assert_close, exercise_module, record_collectives
+
+# The reference implementation of this exercise: a submission that uses it scores 0
+# (checked before and while the tests run, by zerolab.grade.references).
+REFERENCE_MODULES = ["zerolab.zero1", "zerolab.shard_optim", "zerolab.Zero1Optimizer"]
 
 LR = 1e-2
 

@@ -9,7 +9,12 @@ import torch
 import torch.distributed as dist
 
 from zerolab import models
-from zerolab.grading import assert_close, exercise_module, record_collectives
+from zerolab.grade.helpers import assert_close, exercise_module, record_collectives
+
+# The reference implementation of this exercise: a submission that uses it scores 0
+# (checked before and while the tests run, by zerolab.grade.references).
+REFERENCE_MODULES = ["zerolab.zero2"]
+REFERENCE_ALLOWED = ["zerolab.zero2.make_buckets"]  # used by the given code
 
 BUCKET_BYTES = 40000  # TinyGPT in float64: about 24 buckets
 

@@ -3,7 +3,11 @@ zerolab's real engines send on real ranks (the comm log's ideal ring bytes and t
 count), and against the ZeRO papers' headline numbers (arXiv 1910.02054, arXiv 2101.06840)."""
 import pytest
 
-from zerolab.grading import exercise_module
+from zerolab.grade.helpers import exercise_module
+
+# The reference implementation of this exercise: a submission that uses it scores 0
+# (checked before and while the tests run, by zerolab.grade.references).
+REFERENCE_MODULES = ["zerolab.cost", "zerolab.calculator", "zerolab.calibrate"]
 
 # Hand-picked hardware: 100 TFLOP/s at 50% -> 50 TFLOP/s; 1 GB/s links with 10 µs per ring step.
 HW = dict(peak_flops=100e12, mfu=0.5, bandwidth=1e9, latency=1e-5)

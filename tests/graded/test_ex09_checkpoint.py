@@ -6,7 +6,11 @@ import random
 import pytest
 import torch
 
-from zerolab.grading import exercise_module
+from zerolab.grade.helpers import exercise_module
+
+# The reference implementation of this exercise: a submission that uses it scores 0
+# (checked before and while the tests run, by zerolab.grade.references).
+REFERENCE_MODULES = ["zerolab.checkpoint"]
 
 LAYOUTS = [[5], [3, 4], [7, 1, 9, 2], [1, 1, 1], [10, 10, 10, 10], [13, 37, 5, 1]]
 

@@ -4,17 +4,27 @@ The implementation under test is chosen by one switch, the environment variable 
 (or pytest's ``--impl``, which sets it): ``exercises`` (default: your work), ``solutions``, or a
 path to a folder holding ``exNN_*.py`` files (a student's submission). The chosen folder is
 importable as the package ``zerolab_impl`` in the test process and in every rank alike.
+
+Under the grader (``zerolab grade``), two more environment variables, set by its child pytest
+process and inherited by the ranks, make :func:`exercise_module` stricter:
+``ZEROLAB_REFERENCES`` (each exercise's REFERENCE_MODULES / REFERENCE_ALLOWED, JSON): refuse a
+submission that uses the reference implementation (:mod:`zerolab.grade.references`);
+``ZEROLAB_IMPORT_MARKS`` (a folder): a file per import in progress, left behind when the import
+hangs or ends its process, so that the grader stops running that exercise's tests.
 """
 import contextlib
 import importlib
+import json
 import os
 import pathlib
 import sys
 import types
 
-import torch
+from zerolab.grade.checkout import REPO
+from zerolab.grade.references import guard, runtime_check
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+__all__ = ["REPO", "impl_dir", "exercise_module", "assert_close", "point_to_point_only",
+           "record_collectives"]
 
 
 def impl_dir():
@@ -36,11 +46,30 @@ def exercise_module(name):
         pkg = types.ModuleType("zerolab_impl")
         pkg.__path__ = [path]
         sys.modules["zerolab_impl"] = pkg
-    return importlib.import_module(f"zerolab_impl.{name}")
+    refused, allowed = json.loads(os.environ.get("ZEROLAB_REFERENCES", "{}")).get(name, ([], []))
+    if refused:
+        guard(os.path.join(path, f"{name}.py"), refused, allowed)  # before the submission runs
+    marks = os.environ.get("ZEROLAB_IMPORT_MARKS")
+    mark = pathlib.Path(marks, f"{name}.{os.getpid()}") if marks and \
+        f"zerolab_impl.{name}" not in sys.modules else None
+    if mark:
+        mark.touch()
+    try:
+        module = importlib.import_module(f"zerolab_impl.{name}")
+    except Exception:
+        if mark:
+            mark.unlink()  # an ordinary error: the test reports it; a hang or an exit keeps the mark
+        raise
+    if mark:
+        mark.unlink()
+    if refused:
+        runtime_check(module, refused, allowed)
+    return module
 
 
 def assert_close(actual, expected, what, *, rtol=None, atol=None):
     """torch.testing.assert_close with a message naming the rank, the tensor and the worst element."""
+    import torch
     import torch.distributed as dist
     rank = dist.get_rank() if dist.is_initialized() else 0
     if tuple(actual.shape) != tuple(expected.shape):
@@ -114,6 +143,7 @@ def record_collectives():
     ones). Yields the list."""
     import threading
 
+    import torch
     import torch.distributed as dist
     from zerolab import comm
     calls, state = [], threading.local()
