@@ -308,9 +308,11 @@ def largest_model(world_size, stage, hw, *, offload=False, reserved_bytes=0.0, m
 
 def gpt_shape(num_params, *, head_dim=128, aspect=128):
     """A GPT-3-like shape for Ψ parameters: Ψ = 12·L·h² (attention 4h², MLP 8h² per layer; embeddings
-    left out), L = h / ``aspect`` layers, heads of ``head_dim``. {"layers", "hidden", "heads"}."""
+    left out), L = h / ``aspect`` layers, heads of ``head_dim``. {"layers", "hidden", "heads"}, not
+    rounded: a smooth family of shapes, so that costs change smoothly with Ψ (GPT-3 175B: L ≈ 96,
+    h ≈ 12,300, a ≈ 96)."""
     h = (aspect * num_params / 12) ** (1 / 3)
-    return {"layers": max(1, round(h / aspect)), "hidden": h, "heads": max(1, round(h / head_dim))}
+    return {"layers": h / aspect, "hidden": h, "heads": h / head_dim}
 
 
 OPTIONS = ((0, False), (1, False), (2, False), (3, False), (1, True), (2, True), (3, True))
@@ -322,8 +324,8 @@ PLANNER_ASSUMPTIONS = (
     ("activations", "16-bit, s·b·h·(34 + 5·a·s/h) bytes per layer; full recomputation keeps 2·s·b·h per "
                     "layer + one layer's working set", "Korthikanti et al. 2022, arXiv 2205.05198"),
     ("model shape", "Ψ = 12·L·h², L = h/128 layers, heads of 128 (GPT-3-like)", "cost.gpt_shape"),
-    ("micro-batch", "the largest that fits beside the model states, without recomputation if possible, "
-                    "else with it; the step's tokens split into equal micro-batches", "cost.plan"),
+    ("micro-batch", "the largest that fits beside the model states without recomputation, and the largest "
+                    "with it; the faster of the two; the step's tokens in equal micro-batches", "cost.plan"),
     ("compute", "2Ψ forward + 4Ψ backward FLOPs per token (6Ψ), 8Ψ with full recomputation, at peak x MFU",
      "Kaplan et al. 2020; Korthikanti Sec. 5"),
     ("communication", "ring alpha-beta per collective; each in its phase: gradient reductions hide under "
@@ -356,9 +358,9 @@ def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mix
     "heads"}, e.g. :func:`gpt_shape`) and ``seq_len``: the step's ``tokens_per_rank / seq_len``
     sequences per rank are split into the fewest equal micro-batches whose ``activations`` (default
     :func:`activation_bytes`) fit beside the model states in ``hw.device_memory - reserved_bytes``,
-    first without recomputation, else with full recomputation (8Ψ per token): memory an option
-    frees (ZeRO-2's gradients) buys a larger micro-batch or no recomputation. An option fits if some
-    micro-batch of one sequence fits. Among the options that fit, the fastest predicted step wins;
+    without recomputation and with full recomputation (8Ψ per token), and the faster of the two is
+    kept: memory an option frees (ZeRO-2's gradients) buys a larger micro-batch or no recomputation.
+    An option fits if one sequence per micro-batch fits. Among the options that fit, the fastest predicted step wins;
     options within ``tolerance`` of the fastest count as equally fast, and then no offload wins, then
     the larger micro-batch, then the lower stage. Options that do not fit come last, least memory
     first. Every assumption: :data:`PLANNER_ASSUMPTIONS`."""
@@ -377,28 +379,29 @@ def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mix
         dev = model_state_bytes(num_params, world_size, stage, mixed_precision=mixed_precision,
                                 offload=offload)["total"]
         free = hw.device_memory - reserved_bytes - dev
-        micro_batch, recomp, act = None, recompute, 0.0
+        time = lambda recomp, m: step_time(num_params, world_size, stage, tokens_per_rank=tokens_per_rank, hw=hw,
+                                           offload=offload, overlap=overlap, grad_bytes=word, param_bytes=word,
+                                           recompute=recomp, micro_batches=m, gather_order=gather_order)
         if shape is None:
-            fits = free >= 0
-            micro_batches = 1
+            row = {"activation_bytes": 0.0, "micro_batch": None, "micro_batches": 1, "recompute": recompute,
+                   "fits": free >= 0, "times": time(recompute, 1)}
         else:
-            fits, micro_batches = False, 1
+            # per recomputation mode, the largest micro-batch that fits; then the faster of the two
+            candidates = []
             for recomp in (False, True):
                 for b in _divisors_desc(sequences):
                     act = activations(seq_len=seq_len, micro_batch=b, checkpointing=recomp, **shape)
                     if act <= free:
-                        fits, micro_batch, micro_batches = True, b, sequences // b
+                        candidates.append({"activation_bytes": act, "micro_batch": b, "micro_batches": sequences // b,
+                                           "recompute": recomp, "fits": True, "times": time(recomp, sequences // b)})
                         break
-                if fits:
-                    break
-            if not fits:
-                act = activations(seq_len=seq_len, micro_batch=1, checkpointing=True, **shape)
-        times = step_time(num_params, world_size, stage, tokens_per_rank=tokens_per_rank, hw=hw,
-                          offload=offload, overlap=overlap, grad_bytes=word, param_bytes=word,
-                          recompute=recomp, micro_batches=micro_batches, gather_order=gather_order)
-        rows.append({"stage": stage, "offload": offload, "device_bytes": dev, "activation_bytes": act,
-                     "micro_batch": micro_batch, "micro_batches": micro_batches, "recompute": recomp,
-                     "fits": fits, "step_s": times["total"], "times": times})
+            if candidates:
+                row = min(candidates, key=lambda c: (c["times"]["total"], c["recompute"]))
+            else:
+                row = {"activation_bytes": activations(seq_len=seq_len, micro_batch=1, checkpointing=True, **shape),
+                       "micro_batch": None, "micro_batches": sequences, "recompute": True, "fits": False,
+                       "times": time(True, sequences)}
+        rows.append(dict(row, stage=stage, offload=offload, device_bytes=dev, step_s=row["times"]["total"]))
     fastest = min((r["step_s"] for r in rows if r["fits"]), default=math.inf)
     return sorted(rows, key=lambda r: (0, r["step_s"] > fastest * (1 + tolerance), r["offload"],
                                        -(r["micro_batch"] or 0), r["stage"])
