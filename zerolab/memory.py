@@ -221,7 +221,7 @@ def live_tensors():
         tensors = [obj for obj in gc.get_objects() if _is_tensor(obj)]
     for t in tensors:
         add(t)
-        if t.requires_grad and t.grad is not None:
+        if t.requires_grad and t.is_leaf and t.grad is not None:   # only leaves keep a .grad
             add(t.grad)
     return out
 
