@@ -1,7 +1,8 @@
 """python -m benchmarks.bench_cost [--world-sizes 2 3 4] [--rounds 5] [--profile benchmarks/profile_cpu.json]
 
-Calibrate zerolab.cost on this machine, then check its step-time predictions against zerolab's own
-measured step times (issue 13: a cost model students can trust because it met measurements first).
+Calibrate zerolab.cost on this machine, then check its predictions against zerolab's own measured
+times, phase by phase (forward, backward, optimizer step) and per step (issue 13: a cost model students
+can trust because it met measurements first; issue 19: per phase, not only per step).
 
 Per world size N (2, 3, 4), on N real ranks (zerolab.calibrate.measure): this machine's profile
 (gloo bus bandwidth and latency from all_reduce of two sizes, and the same for all_gather and the
@@ -10,7 +11,8 @@ ranks share the cores; AdamW parameters per second, default and fused kernel; co
 training step of every stage, interleaved round by round so that load from anything else hits all
 of them alike. The profile is written to ``--profile`` (JSON, one zerolab.cost.Hardware per N, plus
 the per-collective links); each stage is then predicted from the profile alone with
-zerolab.cost.step_time (no overlap: CPU ranks share their cores) and set beside its measured median.
+zerolab.cost.step_time (no overlap: CPU ranks share their cores), phase by phase with the collectives
+the engine launched in each phase, and set beside its measured medians.
 Ranks run with a caching malloc (zerolab.calibrate.caching_allocator; ``--system-malloc`` to turn it
 off): like the CUDA caching allocator, it stops freed buffers from being page-faulted back every step.
 """
@@ -63,9 +65,23 @@ def run(world_sizes=(2, 3, 4), *, stages=calibrate.STAGES, rounds=5, model_kwarg
     return profile, rows
 
 
+PHASE_NAMES = ("forward", "backward", "step")
+
+
+def phase_misses(rows, key="links"):
+    """[(row, phase, error)] of every phase predicted outside ±TARGET, and how many phases there were."""
+    misses = []
+    for r in rows:
+        for i, phase in enumerate(PHASE_NAMES):
+            err = r[key][phase] / r["phases"][i] - 1
+            if abs(err) > TARGET:
+                misses.append((r, phase, err))
+    return misses, 3 * len(rows)
+
+
 def table(profile, rows):
-    """Markdown: the profile, then predicted vs measured per world size and stage."""
-    out = ["### Cost model calibrated on this machine: predicted vs measured step time", "",
+    """Markdown: the profile, then predicted vs measured per world size and stage, in total and per phase."""
+    out = ["### Cost model calibrated on this machine: predicted vs measured, per phase and per step", "",
            f"TinyGPT {profile['model']}, {profile['batch_per_rank']} sequences per rank, fp32 AdamW, gloo, "
            f"{profile['malloc']} malloc. Profile (`benchmarks/profile_cpu.json`), all N ranks measuring at once:", "",
            "| N | bus GB/s, µs per ring step: all_reduce | all_gather | reduce_scatter (ring) | model GFLOP/s per "
@@ -77,24 +93,36 @@ def table(profile, rows):
                    f"{hw['peak_flops'] / 1e9:.1f} | {hw['device_adam_params_per_s'] / 1e6:.0f} / "
                    f"{hw['host_adam_params_per_s'] / 1e6:.0f} | "
                    f"{hw['host_link_bandwidth'] / 1e9:.1f} |")
-    out += ["", "| N | stage | collectives | measured ms | predicted ms, all_reduce's link | error | predicted ms, "
-            "each collective's link | error | compute / comm / update / offload ms (last prediction) |",
-            "|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    misses = {"ours": [], "links": []}
+    out += ["", "Per phase (the collectives each phase really launched, each on its own fitted link): measured ms "
+            "/ predicted ms (error). Forward = `engine(x, y)`, backward = `engine.backward(loss)` (gradient "
+            "reductions, stage 3's second gathers), step = `engine.step()` (the update, stage 1-2's all-gather, "
+            "offload's host work).", "",
+            "| N | stage | collectives (fwd / bwd / step) | forward | backward | step | whole step, each collective's "
+            "link | whole step, all_reduce's link |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    step_misses = {"ours": [], "links": []}
     for r in rows:
-        m, a, b = r["measured"], r["ours"], r["links"]
-        for key in misses:
+        m = r["measured"]
+        for key in step_misses:
             if abs(r[key]["total"] / m - 1) > TARGET:
-                misses[key].append(f"N={r['world_size']} stage {r['stage']} ({r[key]['total'] / m - 1:+.0%})")
-        out.append(f"| {r['world_size']} | {r['stage']} | {r['calls']} | {m * 1e3:.1f} | {a['total'] * 1e3:.1f} | "
-                   f"{a['total'] / m - 1:+.0%} | {b['total'] * 1e3:.1f} | {b['total'] / m - 1:+.0%} | "
-                   f"{b['compute'] * 1e3:.1f} / {b['comm'] * 1e3:.1f} / {b['update'] * 1e3:.1f} / "
-                   f"{b['offload'] * 1e3:.1f} |")
-    summary = lambda key: (f"{len(rows) - len(misses[key])} of {len(rows)} within ±{TARGET:.0%}"
-                           + (f" (outside: {', '.join(misses[key])})" if misses[key] else ""))
-    out += ["", "Predicted = zerolab.cost.step_time from the profile alone (no overlap), with the collectives the "
-            "engine launched in one step (one per bucket or unit), timed on the all_reduce's fitted link "
-            f"(the one-link model): {summary('ours')}; or each on its own fitted link: {summary('links')}. "
+                step_misses[key].append(f"N={r['world_size']} stage {r['stage']} ({r[key]['total'] / m - 1:+.0%})")
+        calls = " / ".join(str(len(r["schedule"][p])) for p in PHASE_NAMES) if "schedule" in r else str(r["calls"])
+        cells = [f"{mp * 1e3:.1f} / {r['links'][p] * 1e3:.1f} ({r['links'][p] / mp - 1:+.0%})"
+                 for p, mp in zip(PHASE_NAMES, r["phases"])]
+        out.append(f"| {r['world_size']} | {r['stage']} | {calls} | {' | '.join(cells)} | "
+                   f"{m * 1e3:.1f} / {r['links']['total'] * 1e3:.1f} ({r['links']['total'] / m - 1:+.0%}) | "
+                   f"{r['ours']['total'] * 1e3:.1f} ({r['ours']['total'] / m - 1:+.0%}) |")
+    misses, phases = phase_misses(rows)
+    summary = lambda key: (f"{len(rows) - len(step_misses[key])} of {len(rows)} within ±{TARGET:.0%}"
+                           + (f" (outside: {', '.join(step_misses[key])})" if step_misses[key] else ""))
+    out += ["", f"**Per phase: {phases - len(misses)} of {phases} within ±{TARGET:.0%}**"
+            + (" (outside: " + ", ".join(f"N={r['world_size']} stage {r['stage']} {p} ({e:+.0%})"
+                                          for r, p, e in misses) + ")" if misses else "")
+            + f". Whole steps: {summary('links')} with each collective on its own fitted link; "
+            f"{summary('ours')} with every collective on the all_reduce's link (the one-link model).",
+            "", "Predicted = zerolab.cost.step_time from the profile alone, no overlap (on CPU ranks communication "
+            "and compute share the cores), each phase with the collectives the engine launched in it (one per "
+            "bucket or unit). Forward and backward compute are 2/6 and 4/6 of the measured forward + backward "
+            "(2Ψ and 4Ψ FLOPs per token). "
             f"Load average (1 min) on this {profile['cores']}-core machine: {profile['load'][0]:.1f} at the start, "
             f"{profile['load'][1]:.1f} at the end.", "",
             "Where it misses, and why (it predicts too little far more often than too much): (1) gloo's all_gather and the ring "
@@ -103,7 +131,8 @@ def table(profile, rows):
             "gradients into buckets, dividing by N, Python hooks, stage 3's gather/free bookkeeping; stage 2's "
             "backward (fresh full-size gradients from autograd, copied into a bucket in its hooks) measured "
             "10-15% slower than stage 1's (gradients accumulated into one flat buffer) even with communication off; "
-            "(3) load: with more runnable processes than cores, every "
+            "on this CPU the backward takes less than twice the forward, so the 2:4 FLOP split puts a little too "
+            "much in backward; (3) load: with more runnable processes than cores, every "
             "collective waits for the rank the scheduler left out, and a step has several collectives where a "
             "probe has one, so the misses grow with the load average; N = 3 on 2 cores is the worst case, two ranks "
             "time-sharing one core while the third has one to itself, and every collective waits for the pair."]
@@ -119,13 +148,18 @@ def main(world_sizes=(2, 3, 4), *, rounds=5, profile_path=DEFAULT_PROFILE, **kwa
     if profile_path is not None:
         pathlib.Path(profile_path).write_text(json.dumps(profile, indent=2) + "\n")
     headlines = []
+    misses, phases = phase_misses(rows)
+    errors = [r["links"][p] / r["phases"][i] - 1 for r in rows for i, p in enumerate(PHASE_NAMES)]
+    sizes = ", ".join(map(str, sorted({r["world_size"] for r in rows})))
+    headlines.append((f"cost model, predicted / measured time PER PHASE (forward, backward, step), each collective's "
+                      f"link, median of {phases} phases", f"{1 + statistics.median(errors):.2f}",
+                      f"{phases - len(misses)} of {phases} within ±{TARGET:.0%} (stages 0-3 and offload at N = {sizes})"))
     for key, name in (("ours", "one link (all_reduce's)"), ("links", "each collective's own link")):
         errors = [r[key]["total"] / r["measured"] - 1 for r in rows]
         within = sum(abs(e) <= TARGET for e in errors)
         headlines.append((f"cost model, predicted / measured step time, {name}, median of {len(rows)} cases",
                           f"{1 + statistics.median(errors):.2f}",
-                          f"{within} of {len(rows)} within ±{TARGET:.0%} (stages 0-3 and offload at "
-                          f"N = {', '.join(map(str, sorted({r['world_size'] for r in rows})))})"))
+                          f"{within} of {len(rows)} within ±{TARGET:.0%} (stages 0-3 and offload at N = {sizes})"))
     return Section(table(profile, rows), headlines)
 
 

@@ -68,6 +68,22 @@ def test_predict_adds_the_terms_by_hand():
     # offload: no device update; 4 B + 4 B per owned param over 2 GB/s, and 500 params at 1e7/s on the host
     t = calibrate.predict(psi, "2+offload", n, hw, tokens=100)
     assert t["update"] == 0 and t["offload"] == pytest.approx(8 * 500 / 2e9 + 500 / 1e7)
+    # per phase, with an engine's schedule by phase: stage 3 gathers in forward, again in backward with its
+    # reduce-scatters; compute splits 2:4 (0.2 ms forward, 0.4 ms backward); the step is the update alone
+    sched = {"forward": [("all_gather", 2000)] * 2, "backward": [("all_gather", 2000), ("reduce_scatter", 2000)],
+             "step": []}
+    t = calibrate.predict(psi, "3", n, hw, tokens=100, schedule=sched)
+    one = 100e-6 + 1000 / 1e9
+    assert t["forward"] == pytest.approx(0.2e-3 + 2 * one)
+    assert t["backward"] == pytest.approx(0.4e-3 + 2 * one)
+    assert t["step"] == pytest.approx(0.5e-3)
+
+
+def test_slowest_rank_per_phase():
+    per_rank = [{"phases": {"2": [(1.0, 2.0, 3.0), (5.0, 1.0, 1.0), (1.0, 1.0, 1.0)]}},
+                {"phases": {"2": [(2.0, 1.0, 1.0), (1.0, 4.0, 2.0), (3.0, 1.0, 1.0)]}}]
+    # per round the slower rank, phase by phase: (2, 2, 3), (5, 4, 2), (3, 1, 1) -> medians 3, 2, 2
+    assert calibrate.slowest_phases(per_rank, "2") == [3.0, 2.0, 2.0]
 
 
 def test_caching_allocator_sets_and_restores(monkeypatch):
@@ -96,11 +112,18 @@ def test_bench_cost_runs_and_writes_a_valid_profile(tmp_path):
     assert not profile["errors"], profile["errors"]
     for stage in ("0", "3", "2+offload"):
         assert f"| 2 | {stage} |" in text, text
-    assert "within ±25%" in text
+    assert "within ±25%" in text and "Per phase:" in text
     assert set(profile["links"]["2"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    # stage 3's row counts its collectives per phase (2 units here: the root and the one block): forward
+    # gathers the root, the block, and at its end prefetches the block again for backward; backward
+    # reduce-scatters both units; the step launches none
+    row3 = next(line for line in text.splitlines() if line.startswith("| 2 | 3 |"))
+    assert "| 3 / 2 / 0 |" in row3, row3
+    row0 = next(line for line in text.splitlines() if line.startswith("| 2 | 0 |"))
+    assert "| 0 / 1 / 0 |" in row0, row0
     # its headline ratios reach make bench's summary table, one row each
     from benchmarks import run_all
-    assert len(text.headlines) == 2
+    assert len(text.headlines) == 3 and "PER PHASE" in text.headlines[0][0]
     summary = run_all.headlines([text]).splitlines()
     assert summary[2:4] == ["| comparison | ratio | how to read it |", "|---|---:|---|"]
     for what, ratio, reading in text.headlines:

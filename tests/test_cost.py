@@ -1,4 +1,5 @@
 """zerolab.cost: closed-form cases worked by hand, and the papers' headline numbers."""
+import dataclasses
 import math
 
 import pytest
@@ -26,15 +27,95 @@ def test_wire_bytes_two_psi_for_dp_and_stages_1_2_three_psi_for_stage_3():
 
 
 def test_compute_offload_and_step_time_by_hand():
-    # 1e9 params x 1000 tokens x 6 FLOPs / (100 TFLOP/s x 0.5) = 0.12 s
+    # 1e9 params x 1000 tokens x 6 FLOPs / (100 TFLOP/s x 0.5) = 0.12 s: forward 0.04, backward 0.08
     assert cost.compute_time(1e9, 1000, HW) == pytest.approx(0.12)
+    assert cost.compute_phases(1e9, 1000, HW) == pytest.approx({"forward": 0.04, "backward": 0.08})
+    # full recomputation runs the forward again inside backward: 8Ψ per token
+    assert cost.compute_time(1e9, 1000, HW, recompute=True) == pytest.approx(0.16)
     # N=4: 2.5e8 params per rank; 4 bytes each over 2 GB/s = 0.5 s; Adam 2.5e8 / 1e8 = 2.5 s
     assert cost.offload_time(1e9, 4, HW) == pytest.approx(3.0)
     t = cost.step_time(1e9, 4, 0, tokens_per_rank=1000, hw=HW)
-    comm = cost.ring_time("all_reduce", 2e9, 4, HW)
-    assert t["comm"] == pytest.approx(comm) and t["total"] == pytest.approx(max(0.12, comm))
+    comm = cost.ring_time("all_reduce", 2e9, 4, HW)           # 3 s: far longer than backward
+    # the all-reduce can hide only under BACKWARD (0.08 s), not under the whole step: not max(compute, comm)
+    assert t["comm"] == pytest.approx(comm) and t["total"] == pytest.approx(0.04 + 0.08 + (comm - 0.08))
+    assert t["exposed_comm"] == pytest.approx(comm - 0.08)
+    assert (t["forward"], t["backward"], t["step"]) == pytest.approx((0.04, comm, 0.0))
     t2 = cost.step_time(1e9, 4, 0, tokens_per_rank=1000, hw=HW, overlap=False)
-    assert t2["total"] == pytest.approx(0.12 + comm)
+    assert t2["total"] == pytest.approx(0.12 + comm) and t2["exposed_comm"] == pytest.approx(comm)
+
+
+FAST = cost.Hardware("fast link", 10e9, 100e12, 0.5, 100e9, 0.0, 2e9, 1e8)   # 100 GB/s, no latency
+
+
+def test_phases_by_hand_every_stage():
+    # Ψ = 1e9, N = 4, 10,000 tokens: forward 0.4 s, backward 0.8 s; 2-byte words: a reduce-scatter or
+    # an all-gather of 2 GB takes 3/4 x 2 GB / 100 GB/s = 15 ms, an all-reduce 30 ms
+    psi, n, tokens, one = 1e9, 4, 10_000, 0.015
+    t0 = cost.step_time(psi, n, 0, tokens_per_rank=tokens, hw=FAST)
+    assert (t0["forward"], t0["backward"], t0["step"]) == pytest.approx((0.4, 0.8, 0.0))   # all-reduce hidden
+    t1 = cost.step_time(psi, n, 1, tokens_per_rank=tokens, hw=FAST)
+    # DeepSpeed's order: the reduce-scatter hides under backward, the all-gather AFTER the update does not
+    assert (t1["forward"], t1["backward"], t1["step"]) == pytest.approx((0.4, 0.8, one))
+    assert t1["exposed_comm"] == pytest.approx(one) and t1["total"] == pytest.approx(1.2 + one)
+    # FSDP's order (Megatron's overlap_param_gather): the all-gather moves into the next forward and hides
+    t1f = cost.step_time(psi, n, 2, tokens_per_rank=tokens, hw=FAST, gather_order="next_forward")
+    assert (t1f["forward"], t1f["step"], t1f["exposed_comm"]) == pytest.approx((0.4, 0.0, 0.0))
+    # stage 3: gathers hide with prefetch only; without, every gather is exposed (the reduce-scatter hides)
+    t3 = cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=FAST)
+    assert t3["total"] == pytest.approx(1.2) and t3["comm"] == pytest.approx(3 * one)
+    t3n = cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=FAST, prefetch=False)
+    assert (t3n["forward"], t3n["backward"]) == pytest.approx((0.4 + one, 0.8 + one))
+    # no overlap: everything adds
+    t3s = cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=FAST, overlap=False)
+    assert t3s["total"] == pytest.approx(1.2 + 3 * one)
+
+
+def test_forward_gathers_hide_only_under_forward_compute():
+    # a slow link: a 2 GB all-gather takes 1.5 s on 4 ranks at 1 GB/s. Stage 3 with prefetch, 10,000 tokens:
+    # forward 0.4 s hides 0.4 s of its gather; backward 0.8 s hides 0.8 s of its gather + reduce-scatter
+    t = cost.step_time(1e9, 4, 3, tokens_per_rank=10_000, hw=HW)
+    g = cost.ring_time("all_gather", 2e9, 4, HW)
+    assert t["phases"]["forward"]["exposed"] == pytest.approx(g - 0.4)
+    assert t["phases"]["backward"]["exposed"] == pytest.approx(2 * g - 0.8)
+    assert t["total"] == pytest.approx(0.4 + (g - 0.4) + 0.8 + (2 * g - 0.8))
+
+
+def test_micro_batches_by_hand():
+    # 4 micro-batches of 2,500 tokens: the same compute; stage 1 reduces once per step, stage 2 every
+    # micro-batch (each one's reduce-scatter hides under that micro-batch's backward), stage 3 gathers too
+    psi, n, one = 1e9, 4, 0.015
+    slow = cost.Hardware("slow", 10e9, 100e12, 0.5, 1e9, 0.0, 2e9, 1e8)      # 1.5 s per 2 GB gather
+    g = 1.5
+    t1 = cost.step_time(psi, n, 1, tokens_per_rank=10_000, hw=slow, micro_batches=4)
+    assert t1["compute"] == pytest.approx(1.2)
+    assert t1["backward"] == pytest.approx(3 * 0.2 + 0.2 + (g - 0.2))       # once, under the last backward
+    assert t1["step"] == pytest.approx(g)
+    t2 = cost.step_time(psi, n, 2, tokens_per_rank=10_000, hw=slow, micro_batches=4)
+    assert t2["backward"] == pytest.approx(4 * (0.2 + (g - 0.2)))          # four reduce-scatters
+    assert t2["step"] == pytest.approx(g)                                   # one all-gather per step
+    assert t2["comm"] == pytest.approx(5 * g)
+    fast2 = cost.step_time(psi, n, 2, tokens_per_rank=10_000, hw=FAST, micro_batches=4)
+    assert fast2["backward"] == pytest.approx(0.8) and fast2["comm"] == pytest.approx(5 * one)
+    with pytest.raises(ValueError, match="micro_batches"):
+        cost.step_time(psi, n, 2, tokens_per_rank=10_000, hw=FAST, micro_batches=0)
+    with pytest.raises(ValueError, match="gather_order"):
+        cost.step_time(psi, n, 2, tokens_per_rank=10_000, hw=FAST, gather_order="before")
+
+
+def test_engine_schedule_by_phase():
+    # an engine's real calls, per phase: four buckets' reduce-scatters under backward, their gathers after
+    sched = {"backward": [("reduce_scatter", 5e8)] * 4, "step": [("all_gather", 5e8)] * 4}
+    t = cost.step_time(1e9, 4, 2, tokens_per_rank=10_000, hw=HW, collectives=sched, overlap=False)
+    one = cost.ring_time("reduce_scatter", 5e8, 4, HW)
+    assert (t["backward"], t["step"]) == pytest.approx((0.8 + 4 * one, 4 * one))
+    # a flat list is placed by kind; stage 3's all-gathers need phases
+    flat = cost.step_time(1e9, 4, 2, tokens_per_rank=10_000, hw=HW, overlap=False,
+                          collectives=[("reduce_scatter", 5e8)] * 4 + [("all_gather", 5e8)] * 4)
+    assert flat["step"] == pytest.approx(t["step"]) and flat["backward"] == pytest.approx(t["backward"])
+    with pytest.raises(ValueError, match="stage 3"):
+        cost.step_time(1e9, 4, 3, tokens_per_rank=10_000, hw=HW, collectives=[("all_gather", 5e8)])
+    with pytest.raises(ValueError, match="phase"):
+        cost.step_time(1e9, 4, 3, tokens_per_rank=10_000, hw=HW, collectives={"bwd": []})
 
 
 def test_activation_bytes_by_hand():
@@ -87,6 +168,7 @@ def test_update_and_comm_time_by_hand():
     t = cost.step_time(1e9, 4, 1, tokens_per_rank=1000, hw=hw, collectives=[("all_gather", 1e9)] * 2,
                        overlap=False)
     assert t["total"] == pytest.approx(0.12 + 2 * (3e-5 + 0.75) + 0.25)
+    assert t["step"] == pytest.approx(2 * (3e-5 + 0.75) + 0.25)  # after the update: the step phase
 
 
 def test_published_device_adam_is_memory_bound():
@@ -104,3 +186,65 @@ def test_plan_picks_the_lowest_stage_among_the_fastest_that_fit():
     best = cost.plan(10 ** 12, 8, HW, tokens_per_rank=1000)[0]
     assert (best["stage"], best["offload"], best["fits"]) == (3, True, False)
     assert best["device_bytes"] == pytest.approx(2 * 10 ** 12 / 8)
+
+
+SHAPE = {"layers": 10, "hidden": 1000, "heads": 10}
+
+
+def _act(b, recompute):
+    s, h, a, L = 1000, 1000, 10, 10
+    per_layer = s * b * h * (34 + 5 * a * s / h)            # 84 MB per sequence per layer
+    return L * 2 * s * b * h + per_layer if recompute else L * per_layer
+
+
+def test_plan_credits_freed_gradient_memory_to_a_larger_micro_batch():
+    # Ψ = 1e8 on N = 8, 8 sequences of 1000 tokens per rank per step, a 2.4 GB device, fast link.
+    # Model states: ZeRO-1 4Ψ + 12Ψ/8 = 550 MB, ZeRO-2 2Ψ + 14Ψ/8 = 375 MB, ZeRO-3 200 MB.
+    hw = cost.Hardware("small", 2.4e9, 100e12, 0.5, 100e9, 0.0, 2e9, 1e8)
+    rows = {(r["stage"], r["offload"]): r for r in
+            cost.plan(1e8, 8, hw, tokens_per_rank=8000, shape=SHAPE, seq_len=1000)}
+    # 840 MB of activations per sequence: ZeRO-1 fits 2 per micro-batch (1.85 GB left), ZeRO-2 and 3 fit
+    # 2 as well (2.025, 2.2 GB) -> all need 4 micro-batches, no recomputation
+    assert _act(2, False) <= 2.4e9 - 550e6 < _act(4, False)
+    assert rows[(1, False)]["micro_batch"] == 2 and not rows[(1, False)]["recompute"]
+    hw2 = dataclasses.replace(hw, device_memory=4.0e9)       # 3.45 / 3.625 / 3.8 GB left
+    plan = cost.plan(1e8, 8, hw2, tokens_per_rank=8000, shape=SHAPE, seq_len=1000)
+    rows = {(r["stage"], r["offload"]): r for r in plan}
+    assert _act(4, False) <= 4.0e9 - 550e6                    # 3.36 GB: ZeRO-1 fits 4 sequences ...
+    assert rows[(1, False)]["micro_batch"] == 4 and rows[(2, False)]["micro_batch"] == 4
+    hw3 = dataclasses.replace(hw, device_memory=3.8e9)        # ZeRO-1 3.25 GB left: 2; ZeRO-2 3.425 GB: 4
+    plan = cost.plan(1e8, 8, hw3, tokens_per_rank=8000, shape=SHAPE, seq_len=1000)
+    rows = {(r["stage"], r["offload"]): r for r in plan}
+    assert (rows[(1, False)]["micro_batch"], rows[(2, False)]["micro_batch"]) == (2, 4)
+    # equally fast within 5% (a fast link hides everything): the larger micro-batch wins, ZeRO-2 over ZeRO-1
+    assert rows[(1, False)]["fits"] and abs(rows[(1, False)]["step_s"] / rows[(2, False)]["step_s"] - 1) < 0.05
+    assert (plan[0]["stage"], plan[0]["offload"]) == (2, False)
+    # DP: 1.6 GB of states leaves 2.2 GB: 2 sequences, and no better than ZeRO-1
+    assert rows[(0, False)]["micro_batch"] == 2
+
+
+def test_plan_recomputes_only_when_needed_and_pays_8_psi():
+    hw = cost.Hardware("tight", 1.2e9, 100e12, 0.5, 100e9, 0.0, 2e9, 1e8)
+    rows = {(r["stage"], r["offload"]): r for r in
+            cost.plan(1e8, 8, hw, tokens_per_rank=1000, shape=SHAPE, seq_len=1000)}
+    # ZeRO-3: 200 MB of states, 1.0 GB left: one sequence (840 MB) fits without recomputation
+    assert rows[(3, False)]["micro_batch"] == 1 and not rows[(3, False)]["recompute"]
+    # ZeRO-1: 550 MB of states, 650 MB left: only with full recomputation (20 MB + 84 MB)
+    r1 = rows[(1, False)]
+    assert r1["recompute"] and r1["fits"] and r1["activation_bytes"] == pytest.approx(_act(1, True))
+    assert r1["times"]["compute"] == pytest.approx(8 * 1e8 * 1000 / 50e12)
+    assert rows[(3, False)]["times"]["compute"] == pytest.approx(6 * 1e8 * 1000 / 50e12)
+    # DP: 1.6 GB of states: does not fit at all
+    assert not rows[(0, False)]["fits"]
+    with pytest.raises(ValueError, match="sequences"):
+        cost.plan(1e8, 8, hw, tokens_per_rank=1500, shape=SHAPE, seq_len=1000)
+    with pytest.raises(ValueError, match="together"):
+        cost.plan(1e8, 8, hw, tokens_per_rank=1000, shape=SHAPE)
+
+
+def test_gpt_shape_and_assumptions():
+    shape = cost.gpt_shape(175e9)                            # GPT-3: 96 layers of 12,288
+    assert shape["layers"] == pytest.approx(96, rel=0.01) and shape["hidden"] == pytest.approx(12288, rel=0.01)
+    assert 12 * shape["layers"] * shape["hidden"] ** 2 == pytest.approx(175e9, rel=0.02)
+    whats = [a[0] for a in cost.PLANNER_ASSUMPTIONS]
+    assert {"activations", "compute", "communication", "choice"} <= set(whats)

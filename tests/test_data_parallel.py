@@ -258,3 +258,44 @@ def test_timeline_gather_and_plot(clusters):
         assert spans[0].seconds >= 0.02 and spans[1].end >= spans[1].start >= spans[0].end
     ax = plot_timeline(gathered[0], title="t")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 1", "rank 0"]
+
+
+def test_timeline_sub_rows_keep_categories_apart_and_bars_disjoint():
+    import matplotlib
+    matplotlib.use("Agg")
+    from zerolab.timeline import Span, plot_timeline
+    spans = [Span("F 0", "compute", 0.0, 0.010), Span("AG 1", "comm", 0.002, 0.005),
+             Span("AG 2", "comm", 0.004, 0.008), Span("w 2", "wait", 0.009, 0.010)]
+    ax = plot_timeline([spans], sub_rows=["compute", "comm"])
+    bars = []                                       # (y bottom, x start, x end) of every bar drawn
+    for coll in ax.collections:
+        for path in coll.get_paths():
+            (x0, y0), (x1, _) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+            bars.append((round(y0, 6), x0, x1))
+    assert len(bars) == 4
+    rows = sorted({y for y, _, _ in bars}, reverse=True)           # top to bottom
+    assert len(rows) == 4                                           # compute, comm x 2 (they overlap), wait
+    row_of = {(round(x0, 3), round(x1, 3)): rows.index(y) for y, x0, x1 in bars}
+    assert row_of[(0.0, 10.0)] == 0 and {row_of[(2.0, 5.0)], row_of[(4.0, 8.0)]} == {1, 2}
+    assert row_of[(9.0, 10.0)] == 3
+    for y in rows:                                                  # no two bars of one sub-row overlap
+        xs = sorted((x0, x1) for yy, x0, x1 in bars if yy == y)
+        assert all(a[1] <= b[0] + 1e-9 for a, b in zip(xs, xs[1:])), xs
+
+
+def _async_reduce_scatter_span():
+    import torch
+    from zerolab import comm
+    from zerolab.timeline import Timeline
+    tl = Timeline()
+    x, out = torch.ones(4 * 1024), torch.empty(2 * 1024)
+    with comm.log(timeline=tl):
+        work = comm.reduce_scatter(out, x, async_op=True, tag="bucket 0")   # gloo: a Work without a future
+        work.wait()
+    return [(s.name, s.category, s.end >= s.start) for s in tl.collect()], out[0].item()
+
+
+def test_timeline_records_an_async_collective_without_a_future(clusters):
+    for spans, value in clusters(2).run(_async_reduce_scatter_span):
+        assert ("reduce_scatter bucket 0", "comm", True) in spans, spans
+        assert value == 2.0

@@ -295,3 +295,31 @@ def test_cuda_accounting_and_peak():
     torch.cuda.reset_peak_memory_stats()
     big = torch.ones(2**20, device="cuda")                # 4 MiB of live tensor
     assert memory.peak_memory()["cuda"] >= big.nbytes
+
+
+def test_tensor_census_counts_live_storages_by_device_and_dtype():
+    import gc
+    gc.collect()
+    before = memory.live_tensors()
+    a = torch.zeros(1000)                                   # 4,000 B fp32
+    view = a[10:20]                                         # a view: the same storage, not counted again
+    b = torch.zeros(500, dtype=torch.bfloat16)              # 1,000 B bf16
+    freed = torch.zeros(300)
+    freed.untyped_storage().resize_(0)                      # ZeRO-3's free: 0 bytes, not counted
+    lin = nn.Linear(10, 10, bias=False)                     # 400 B of weight ...
+    lin(torch.ones(2, 10)).sum().backward()                 # ... and a 400 B gradient autograd created
+    census = memory.tensor_census(exclude=before)
+    assert census[("cpu", "bfloat16")] == 1000
+    assert census[("cpu", "float32")] == 4000 + 400 + 400
+    del view, freed
+    # a baseline excludes what existed before: nothing new, nothing counted
+    gc.collect()
+    assert memory.tensor_census(exclude=memory.live_tensors()) == {}
+    # parameters that are views into one flat buffer (ZeRO's layout) count once, at the buffer's size
+    gc.collect()
+    base = memory.live_tensors()
+    params = [nn.Parameter(torch.zeros(6)), nn.Parameter(torch.zeros(6))]
+    flat = FlatParams(params, 4, 0)                          # 12 elements, padded to 12: 48 B
+    gc.collect()
+    assert memory.tensor_census(exclude=base) == {("cpu", "float32"): flat.data.untyped_storage().nbytes()}
+    del a, b, lin, flat, params

@@ -470,3 +470,20 @@ def test_parameters_without_gradient_get_zero(clusters, stage):
     expected = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
     states = clusters(n).run(_unused_param_training, stage, steps)
     _compare(states, expected, 1e-10, 1e-10, f"stage {stage} with an unused parameter")
+
+
+def test_zero2_layouts_by_hand():
+    from zerolab.plots import zero2_layouts
+    # Ψ = 22 on 4 ranks: one global partition of ceil(22/4) = 6 elements per rank
+    lay = zero2_layouts([10, 7, 5], 4)
+    assert lay["partition"] == 6 and lay["psi"] == 22
+    # sharded: every bucket padded to a multiple of 4, each rank 1/4 of every bucket (10 -> 12: 3 each)
+    assert lay["sharded"][0] == [(0, 0, 3), (1, 3, 6), (2, 6, 9), (3, 9, 12)]
+    assert all(len(b) == 4 for b in lay["sharded"])
+    # owner: backward's first bucket is the LAST 10 elements [12, 22): ranks 2 and 3 own them
+    assert lay["owner"] == [[(2, 12, 18), (3, 18, 22)], [(0, 5, 6), (1, 6, 12)], [(0, 0, 5)]]
+    # every element reduced exactly once, to its owner
+    covered = sorted((lo, hi) for pieces in lay["owner"] for _, lo, hi in pieces)
+    assert covered[0][0] == 0 and covered[-1][1] == 22
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    assert all(lo // 6 == r and (hi - 1) // 6 == r for pieces in lay["owner"] for r, lo, hi in pieces)

@@ -299,3 +299,22 @@ def test_float64_equals_fsdp2(clusters, name):
     fsdp2 = clusters(2).run(_fsdp2, name)
     assert_params(fsdp2, reference(name, 2), f"{name} FSDP2 vs single process", **EXACT)
     assert_params(clusters(2).run(train, name), fsdp2[0], f"{name} stage 3 vs FSDP2", **EXACT)
+
+
+def _gather_tags(prefetch):
+    from zerolab import comm, initialize
+    model = _build("gpt", torch.float32, n_layers=3)
+    engine = initialize(model, stage=3, lr=LR, prefetch=prefetch)
+    x, y = _data("gpt", model, 0, dist.get_rank(), dtype=torch.float32)
+    with comm.log() as log:
+        engine.backward(engine(x, y))
+    return [(r.tag, r.seconds is None) for r in log.records if r.op == "all_gather"]
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_prefetched_gathers_are_labelled(clusters, prefetch):
+    # a timeline tells a prefetched (asynchronous) all-gather from a blocking one by its tag
+    tags = clusters(2).run(_gather_tags, prefetch)[0]
+    for tag, is_async in tags:
+        assert tag.endswith(" prefetch") == is_async, tags
+    assert any(is_async for _, is_async in tags) == prefetch, tags

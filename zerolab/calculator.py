@@ -163,10 +163,15 @@ def at_scale(num_params, world_size, stage, *, hardware="A100 80GB", tokens_per_
     accumulation). The optimizer is Adam (the cost model's update rates are Adam's).
     ``reserved_bytes``: room kept for activations and buffers (see :func:`zerolab.cost.activation_bytes`).
 
+    The step is phase-aware (:func:`zerolab.cost.step_time`): gradient reductions hide only under
+    backward, stage 1-2's parameter all-gather runs after the update (DeepSpeed's order), stage 3's
+    gathers hide under forward and backward compute with prefetch.
+
     Returns the setting (``num_params`` ... ``overlap``, as passed) and {"hardware", "source",
     "device_bytes", "host_bytes", "device_memory", "fits",
-    "wire_bytes", "host_link_bytes", "times" (:func:`zerolab.cost.step_time`: compute, comm, update,
-    offload, total), "total_no_overlap", "bound" (the largest of the four terms), "largest_params"}.
+    "wire_bytes", "host_link_bytes", "times" (:func:`zerolab.cost.step_time`: compute, comm,
+    exposed_comm, update, offload, forward, backward, step, total), "total_no_overlap", "bound" (the
+    largest of compute, exposed communication, update and offload), "largest_params"}.
     Raises ValueError naming a bad value.
     """
     hw, source = _hardware(hardware)
@@ -187,7 +192,7 @@ def at_scale(num_params, world_size, stage, *, hardware="A100 80GB", tokens_per_
             "fits": states["device_total"] <= hw.device_memory - reserved_bytes,
             "wire_bytes": cost.wire_bytes(num_params, world_size, stage, grad_bytes=word, param_bytes=word),
             "host_link_bytes": host_link, "times": times, "total_no_overlap": serial,
-            "bound": max((("compute", times["compute"]), ("communication", times["comm"]),
+            "bound": max((("compute", times["compute"]), ("communication", times["exposed_comm"]),
                           ("optimizer update", times["update"]), ("host offload", times["offload"])),
                          key=lambda kv: kv[1])[0],
             "largest_params": cost.largest_model(world_size, stage, hw, offload=offload,
@@ -209,8 +214,12 @@ def describe_at_scale(r):
     hardware numbers used with their sources (GB = 1e9 bytes)."""
     hw, t, n = r["hardware"], r["times"], r["world_size"]
     name = STAGE_NAMES[r["stage"]] + (" + offload" if r["offload"] else "")
-    over = ("hidden behind compute" if t["comm"] <= t["compute"] else "exceeds compute") \
-        if r["overlap"] else "not overlapped"
+    if not r["overlap"]:
+        over = "not overlapped"
+    elif t["exposed_comm"] <= 1e-3 * t["comm"]:
+        over = "all of it hidden"
+    else:
+        over = f"{_secs(t['exposed_comm'])} of it exposed"
     host = f", host {_fmt(r['host_bytes'] / GB)} GB" if r["host_bytes"] else ""
     lines = [
         f"{name}, Ψ = {params_label(r['num_params'])}, N = {n} x {hw.name}, "
@@ -222,9 +231,11 @@ def describe_at_scale(r):
         + (f"; {_fmt(r['host_link_bytes'] / GB)} GB over the host link" if r["host_link_bytes"] else ""),
         f"  time     compute {_secs(t['compute'])} | comm {_secs(t['comm'])} ({over}) | "
         f"update {_secs(t['update'])} | offload {_secs(t['offload'])}",
-        f"           step = {'max(compute, comm)' if r['overlap'] else 'compute + comm'} + update + "
-        f"offload = {_secs(t['total'])} ({_secs(r['total_no_overlap'])} without overlap); "
+        f"           step = forward {_secs(t['forward'])} + backward {_secs(t['backward'])} + optimizer step "
+        f"{_secs(t['step'])} = {_secs(t['total'])} ({_secs(r['total_no_overlap'])} without overlap); "
         f"bottleneck: {r['bound']}",
+        "           (gradient reductions hide only under backward; stage 1-2's all-gather runs after the "
+        "update, DeepSpeed's order; stage 3's gathers hide under compute with prefetch)",
         f"  largest  model whose states fit at N = {n}, {name}: {params_label(r['largest_params'])}",
         f"  hardware {_fmt(hw.peak_flops / 1e12)} TFLOP/s x MFU {hw.mfu:g}; "
         f"link {_fmt(hw.link_bandwidth / GB)} GB/s + {_fmt(hw.link_latency * 1e6)} µs per ring step; "

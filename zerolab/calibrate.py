@@ -18,11 +18,12 @@ down, and that is part of this machine's profile):
 
 :func:`measure` runs those probes AND one training step of every stage in rounds, one after the
 other, so that load from anything else on the machine hits all of them alike; medians over rounds
-of the slowest rank. :func:`predict` then costs each stage with :func:`zerolab.cost.step_time`: with
+of the slowest rank, for the step and for each of its phases (forward, backward, optimizer step).
+:func:`predict` then costs each stage with :func:`zerolab.cost.step_time`, phase by phase: with
 the paper's schedule (2Ψ or 3Ψ, one collective per phase) or with the collectives the engine really
-launched in one step (one per bucket or unit, each paying its latency), on the all_reduce's link or
-on each collective's own. Overlap is off: on CPU ranks, communication competes with compute for the
-same cores; nothing hides it.
+launched in each phase of one step (one per bucket or unit, each paying its latency), on the
+all_reduce's link or on each collective's own. Overlap is off: on CPU ranks, communication competes
+with compute for the same cores; nothing hides it.
 """
 import contextlib
 import json
@@ -109,6 +110,26 @@ def _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel):
     return probes, info
 
 
+def _phase_schedule(engine, model, step, batch_size):
+    """One training step with a comm log per phase: {"forward", "backward", "step": [(op, bytes)]},
+    the collectives the engine really launched in each (one per bucket or unit)."""
+    import torch.distributed as dist
+
+    from zerolab import comm, models
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x, y = models.batch("gpt", seed=step * n + rank, batch_size=batch_size, model=model)
+    logs = {}
+    with comm.log() as logs["forward"]:
+        loss = engine(x, y)
+    with comm.log() as logs["backward"]:
+        engine.backward(loss)
+    with comm.log() as logs["step"]:
+        engine.step()
+    engine.zero_grad()
+    return {phase: [(rec.op, rec.tensor_bytes) for rec in log.records
+                    if rec.op in ("all_reduce", "reduce_scatter", "all_gather")] for phase, log in logs.items()}
+
+
 def _train_step(engine, model, step, batch_size):
     """One training step on this rank's batch: (seconds, forward, backward, optimizer step)."""
     import torch.distributed as dist
@@ -133,7 +154,8 @@ def measure(stages=STAGES, model_kwargs=None, batch_size=BATCH, rounds=6, *, siz
     """Run on every rank (``cluster.run(measure, ...)``). Each round runs every probe once, then
     one training step of every stage, in turn; round 0 warms up and is dropped.
     Returns {"times": {name: [s per round]}, "phases": {stage: [(fwd, bwd, step)]},
-    "schedule": {stage: [(op, bytes)]}, "psi": {stage: Ψ}, "info": {...}, "errors": {stage: msg}}."""
+    "schedule": {stage: {phase: [(op, bytes)]}} (one more step, logged phase by phase), "psi": {stage: Ψ},
+    "info": {...}, "errors": {stage: msg}}."""
     import zerolab
     from zerolab import models
     from zerolab.stages import parse_stage
@@ -159,9 +181,8 @@ def measure(stages=STAGES, model_kwargs=None, batch_size=BATCH, rounds=6, *, siz
             if r:
                 times[spec].append(t[0])
                 phases[spec].append(t[1:])
-    schedule = {spec: [(rec.op, rec.tensor_bytes) for rec in engine.last_step_comm.records
-                       if rec.op in ("all_reduce", "reduce_scatter", "all_gather")]
-                for spec, (engine, _) in engines.items()}
+    schedule = {spec: _phase_schedule(engine, model, rounds + 1, batch_size)
+                for spec, (engine, model) in engines.items()}
     psi = {spec: sum(p.numel() for p in dict.fromkeys(model.parameters())) for spec, (_, model) in engines.items()}
     return {"times": times, "phases": phases, "schedule": schedule, "psi": psi, "info": info, "errors": errors}
 
@@ -212,9 +233,10 @@ def fit_links(raw, world_size, hw):
 
 
 def predict(num_params, spec, world_size, hw, *, tokens, schedule=None, links=None, word_bytes=4):
-    """zerolab.cost.step_time for stage ``spec`` ('0'..'3', '2+offload'), no overlap; with
-    ``schedule`` (a list of (op, bytes)) the engine's real collectives instead of the paper's, with
-    ``links`` ({op: Hardware}) each collective on its own measured link."""
+    """zerolab.cost.step_time for stage ``spec`` ('0'..'3', '2+offload'), no overlap (CPU ranks share
+    their cores); with ``schedule`` ({phase: [(op, bytes)]}) the engine's real collectives in the phase
+    they ran in instead of the paper's one per phase, with ``links`` ({op: Hardware}) each collective on
+    its own measured link. Per phase: "forward", "backward", "step" of the result."""
     from zerolab import cost
     from zerolab.stages import parse_stage
     stage, offload = parse_stage(spec)
@@ -223,19 +245,28 @@ def predict(num_params, spec, world_size, hw, *, tokens, schedule=None, links=No
                           param_bytes=word_bytes, collectives=schedule, links=links)
 
 
+def slowest_phases(per_rank, spec):
+    """(forward, backward, step) seconds: per round the slowest rank's time of each phase, then the
+    median over rounds (as :func:`slowest_median` for whole steps)."""
+    rounds = zip(*(r["phases"][spec] for r in per_rank))          # per round: one (f, b, s) per rank
+    per_round = [tuple(max(rank[i] for rank in ranks) for i in range(3)) for ranks in rounds]
+    return [statistics.median(r[i] for r in per_round) for i in range(3)]
+
+
 def compare(per_rank, world_size):
     """Fit the profile and predict every measured stage: (Hardware, links, raw, rows), one row per
     stage: {"stage", "psi", "measured", "phases", "calls", "paper", "ours", "links"} (seconds):
-    "paper" the paper's schedule on the all_reduce's link, "ours" the engine's collectives on the
-    all_reduce's link, "links" the engine's collectives each on its own link."""
+    "phases" the measured (forward, backward, step); "paper" the paper's schedule on the all_reduce's
+    link, "ours" the engine's collectives on the all_reduce's link, "links" the engine's collectives
+    each on its own link (each a zerolab.cost.step_time result, per phase and in total)."""
     hw, raw = fit_hardware(per_rank, world_size)
     links = fit_links(raw, world_size, hw)
     r0, rows = per_rank[0], []
     for spec, schedule in r0["schedule"].items():
         psi, kw = r0["psi"][spec], dict(tokens=raw["tokens"])
-        phases = [statistics.median(ph[i] for r in per_rank for ph in r["phases"][spec]) for i in range(3)]
         rows.append({"world_size": world_size, "stage": spec, "psi": psi,
-                     "measured": slowest_median(per_rank, spec), "phases": phases, "calls": len(schedule),
+                     "measured": slowest_median(per_rank, spec), "phases": slowest_phases(per_rank, spec),
+                     "calls": sum(len(c) for c in schedule.values()), "schedule": schedule,
                      "paper": predict(psi, spec, world_size, hw, **kw),
                      "ours": predict(psi, spec, world_size, hw, schedule=schedule, **kw),
                      "links": predict(psi, spec, world_size, hw, schedule=schedule, links=links, **kw)})

@@ -5,7 +5,8 @@ Two halves, kept side by side so every lesson can set measurement beside theory:
 
 * measured: :func:`model_states` (params / grads / optimizer state of a real model + optimizer),
   :func:`activation_bytes` (what autograd saves for backward, per layer), :func:`peak_memory`
-  (what the operating system or the CUDA allocator saw). Counting is by *storage*: tied weights,
+  (what the operating system or the CUDA allocator saw), :func:`tensor_census` (every live tensor
+  by device and dtype, found by walking the garbage collector's objects, not asked of an engine). Counting is by *storage*: tied weights,
   parameters that are views into a flat buffer and gradients that alias bucket buffers would
   otherwise be counted twice or more (:func:`storage_bytes_by_kind`).
 * theory: :func:`model_state_bytes` / :func:`model_state_placement`, the per-rank model-state bytes
@@ -194,6 +195,56 @@ def peak_memory():
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.max_memory_allocated()
     return out
+
+
+def live_tensors():
+    """Every tensor storage this process's Python objects can reach, found without asking any engine:
+    {storage key: (device type, dtype, bytes)}, each storage once (views and aliases share a key).
+
+    A census (issue 19): it walks ``gc.get_objects()`` for tensors (parameters, buffers, optimizer
+    state, flat buffers, batches, anything held by a Python object), adds the ``.grad`` of each tensor
+    that has one (autograd may keep a gradient that no Python object names yet), and skips storages
+    freed to 0 bytes. Tensors only the C++ side holds (autograd's saved activations during a step)
+    are not seen: take it between steps. The dtype is the first tensor's seen on that storage."""
+    import gc
+    import warnings
+    out = {}
+
+    def add(t):
+        if t.device.type == "meta":
+            return
+        key, nbytes, device = _storage_key(t)
+        if nbytes and key not in out:
+            out[key] = (device, t.dtype, nbytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")          # isinstance() on deprecated module proxies warns
+        tensors = [obj for obj in gc.get_objects() if _is_tensor(obj)]
+    for t in tensors:
+        add(t)
+        if t.requires_grad and t.is_leaf and t.grad is not None:   # only leaves keep a .grad
+            add(t.grad)
+    return out
+
+
+def _is_tensor(obj):
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:                       # a dead weak proxy
+        return False
+
+
+def tensor_census(exclude=None):
+    """Bytes of live tensors by device and dtype: {(device type, dtype name): bytes}, measured by
+    :func:`live_tensors`, leaving out the storages of ``exclude`` (an earlier :func:`live_tensors`,
+    e.g. taken before the model was built, so that only what appeared since is counted). Independent
+    of the engines' own accounting (``state_tensors``, ``memory_report``, ``placement`` by role)."""
+    exclude = exclude or {}
+    out = {}
+    for key, (device, dtype, nbytes) in live_tensors().items():
+        if key not in exclude:
+            name = (device, str(dtype).replace("torch.", ""))
+            out[name] = out.get(name, 0) + nbytes
+    return dict(sorted(out.items()))
 
 
 @contextlib.contextmanager

@@ -139,3 +139,68 @@ def draw_buckets(buckets, world_size, title=""):
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def zero2_layouts(bucket_numels, world_size):
+    """The two ZeRO-2 layouts of the same gradient buckets, as element ranges (accounting, no ranks):
+    ``bucket_numels`` in the order backward fills them (the last layers' first).
+
+    {"sharded": [[(rank, lo, hi)] per bucket], "owner": [[(rank, lo, hi)] per bucket], "psi", "partition"}:
+    "sharded" (FSDP, Megatron's distributed optimizer, zerolab): each bucket padded to a multiple of N
+    and cut into N equal slices, slice r to rank r (ranges within the bucket). "owner" (DeepSpeed): one
+    global partition of the Ψ elements in forward order, rank r owning [r·P, (r+1)·P) with P = ceil(Ψ/N);
+    bucket k covers the elements backward produced k-th, counted from the end, cut at the partition
+    boundaries, each piece reduced to its owner (ranges in global element order)."""
+    n, psi = world_size, sum(bucket_numels)
+    part = -(-psi // n)
+    sharded = []
+    for numel in bucket_numels:
+        s = -(-numel // n)
+        sharded.append([(r, r * s, (r + 1) * s) for r in range(n)])
+    owner, end = [], psi
+    for numel in bucket_numels:
+        lo, pieces = end - numel, []
+        for r in range(n):
+            a, b = max(lo, r * part), min(end, (r + 1) * part)
+            if a < b:
+                pieces.append((r, a, b))
+        owner.append(pieces)
+        end = lo
+    return {"sharded": sharded, "owner": owner, "psi": psi, "partition": part}
+
+
+def draw_zero2_layouts(bucket_numels, world_size, title=""):
+    """Left: each bucket its own buffer sharded 1/N (FSDP, Megatron, zerolab). Right: one global
+    partition, each bucket's pieces reduced to their owners (DeepSpeed). Colour = the rank that
+    receives those gradients. See :func:`zero2_layouts`."""
+    lay = zero2_layouts(bucket_numels, world_size)
+    k = len(bucket_numels)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 0.33 * k + 1.8))
+    for i, slices in enumerate(lay["sharded"]):
+        for r, lo, hi in slices:
+            a.barh(-i, hi - lo, left=lo, color=plt.cm.tab10(r), alpha=0.6, edgecolor="k", lw=0.4,
+                   label=f"rank {r}" if i == 0 else None)
+    a.set_title("each bucket its own buffer, sharded 1/N\n(FSDP, Megatron's distributed optimizer, zerolab): "
+                "one reduce-scatter per bucket", fontsize=9)
+    a.set_xlabel("element of the bucket (padded to a multiple of N)")
+    psi, part = lay["psi"], lay["partition"]
+    for r in range(world_size):                       # the global partition, forward order
+        b.barh(1, min(part, psi - r * part), left=r * part, color=plt.cm.tab10(r), alpha=0.6, edgecolor="k", lw=0.4)
+    b.text(0, 1.55, "one global partition (ZeRO-1's): rank r owns a contiguous 1/N", fontsize=8)
+    for i, pieces in enumerate(lay["owner"]):
+        for r, lo, hi in pieces:
+            b.barh(-i, hi - lo, left=lo, color=plt.cm.tab10(r), alpha=0.6, edgecolor="k", lw=0.4)
+        if len(pieces) > 1:
+            b.text(pieces[-1][2] + psi * 0.01, -i, f"{len(pieces)} reduces", va="center", fontsize=7)
+    b.set_title("one global partition, each bucket's pieces REDUCED to their owners\n(DeepSpeed stage 2): "
+                "one dist.reduce per piece", fontsize=9)
+    b.set_xlabel("element of the model's parameters (forward order)")
+    b.set_xlim(0, psi * 1.15)
+    for ax in (a, b):
+        ax.set_yticks([-i for i in range(k)], [f"bucket {i}" for i in range(k)], fontsize=7)
+    b.set_yticks([1] + [-i for i in range(k)], ["partition"] + [f"bucket {i}" for i in range(k)], fontsize=7)
+    a.legend(fontsize=7, loc="lower right")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -73,10 +73,24 @@ class Timeline:
         """Start a span now that ends when ``work`` (an async collective's handle, or a
         ``torch.futures.Future``) completes. Returns ``work`` so a call can be wrapped inline."""
         start = self.now()
-        fut = work.get_future() if hasattr(work, "get_future") else work
-        # The callback runs on the thread that completes the work (gloo's worker thread), at the
-        # moment it completes: that is the end of the span, whoever waits for it and when.
-        done = fut.then(lambda _f: self.record(name, category, start, self.now()))
+        try:
+            fut = work.get_future() if hasattr(work, "get_future") else work
+        except RuntimeError:          # some work has no future (gloo's emulated reduce_scatter)
+            fut = None
+        if fut is not None:
+            # The callback runs on the thread that completes the work (gloo's worker thread), at the
+            # moment it completes: that is the end of the span, whoever waits for it and when.
+            done = fut.then(lambda _f: self.record(name, category, start, self.now()))
+        else:
+            # No future to attach to: a watcher thread waits for the work (waiting on it from two
+            # threads is allowed) and records the end the moment it returns.
+            def watch():
+                try:
+                    work.wait()
+                finally:
+                    self.record(name, category, start, self.now())
+            done = threading.Thread(target=watch, name="zerolab-timeline-watch", daemon=True)
+            done.start()
         with self._lock:
             self._pending.append(done)
         return work
@@ -86,7 +100,7 @@ class Timeline:
         with self._lock:
             pending, self._pending = self._pending, []
         for fut in pending:
-            fut.wait()
+            fut.join() if isinstance(fut, threading.Thread) else fut.wait()
         with self._lock:
             return sorted(self._spans, key=lambda s: (s.start, s.end))
 
@@ -106,12 +120,15 @@ def maybe_span(timeline, name, category="compute"):
     return timeline.span(name, category) if timeline is not None else contextlib.nullcontext()
 
 
-def plot_timeline(per_rank_spans, ax=None, *, title=None, label_spans=True, colors=None):
+def plot_timeline(per_rank_spans, ax=None, *, title=None, label_spans=True, colors=None, sub_rows=None):
     """Draw one row per rank: each span a bar from start to end, coloured by category.
 
     ``per_rank_spans``: a list (index = rank) of lists of :class:`Span` (or (name, category,
     start, end) tuples). Spans of one rank that overlap in time (compute while a collective is in
-    flight) are stacked in sub-rows, so overlap is visible rather than hidden. Returns ``ax``.
+    flight) are stacked in sub-rows, so overlap is visible rather than hidden; no two bars of one
+    sub-row overlap. ``sub_rows``: a list of categories, each given its own fixed sub-row(s) in that
+    order from the top (other categories share the last), so that compute, say, stays on one line and
+    collectives on another; by default a span takes the first sub-row free at its start. Returns ``ax``.
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -123,21 +140,23 @@ def plot_timeline(per_rank_spans, ax=None, *, title=None, label_spans=True, colo
     xmax = max((Span(*s).end for spans in per_rank_spans for s in spans), default=1.0) * 1e3
     for rank in reversed(range(len(per_rank_spans))):
         spans = [Span(*s) for s in per_rank_spans[rank]]
-        lanes = []   # end time of the last span in each sub-row
-        placed = []
-        for s in sorted(spans, key=lambda s: s.start):
-            lane = next((i for i, end in enumerate(lanes) if end <= s.start + 1e-9), None)
-            if lane is None:
-                lanes.append(s.end)
-                lane = len(lanes) - 1
-            lanes[lane] = s.end
-            placed.append((s, lane))
+        groups = list(sub_rows or []) + [None]           # None: every other category
+        group_of = lambda s: s.category if s.category in groups else None
+        lanes, placed = [], []   # lanes: (group, end time of its last span), top to bottom
+        for g in groups:
+            for s in sorted((s for s in spans if group_of(s) == g), key=lambda s: s.start):
+                lane = next((i for i, (lg, end) in enumerate(lanes) if lg == g and end <= s.start + 1e-9), None)
+                if lane is None:
+                    lanes.append((g, s.end))
+                    lane = len(lanes) - 1
+                lanes[lane] = (g, s.end)
+                placed.append((s, lane))
         height = 0.8 / max(1, len(lanes))
         for s, lane in placed:
             color = colors.get(s.category, colors["other"])
             if s.category not in seen:
                 seen.append(s.category)
-            bottom = y + 0.1 + lane * height
+            bottom = y + 0.1 + (len(lanes) - 1 - lane) * height     # the first sub-row on top
             ax.broken_barh([(s.start * 1e3, max(s.seconds * 1e3, 1e-3))], (bottom, height * 0.9),
                            facecolors=color, edgecolors="black", linewidth=0.4)
             label = _short(s.name)

@@ -5,21 +5,42 @@ Stage 1 materialises the full gradient (2Ψ bytes) and reduce-scatters it after 
 never keeps it: gradients are reduce-scattered bucket by bucket WHILE backward runs, and each
 rank keeps only the reduced gradients of its own shard (2Ψ/N). Per rank: 2Ψ + (2+K)Ψ/N.
 
-Layout: the trainable parameters, in reverse order (the order backward produces their gradients),
-are cut into buckets of about ``bucket_bytes``; each bucket is its own padded flat buffer
-(:class:`zerolab.flat.FlatParams`), and rank r owns shard r of EVERY bucket:
+Layout (FSDP's, and Megatron's distributed optimizer's; not DeepSpeed's, see below): the trainable
+parameters, in reverse order (the order backward produces their gradients), are cut into buckets of
+about ``bucket_bytes``; each bucket is its own padded flat buffer (:class:`zerolab.flat.FlatParams`),
+and rank r owns shard r of EVERY bucket:
 
     bucket 0 (last layers)    | r0 | r1 | r2 | r3 |      <- reduce-scattered first, during backward
     bucket 1                  | r0 | r1 | r2 | r3 |
     bucket 2 (first layers)   | r0 | r1 | r2 | r3 |      <- reduce-scattered last
 
-so every bucket reduce-scatters on its own, as soon as all its gradients exist (DeepSpeed's
-"reduce bucket", FSDP2's per-unit reduce-scatter). The pipeline, per parameter p:
+so every bucket reduce-scatters on its own, as soon as all its gradients exist, and every rank
+receives 1/N of every bucket: one balanced collective per bucket (FSDP2 reduce-scatters per wrapped
+module; Megatron-core's DistributedOptimizer shards each bucket of its gradient buffer the same way,
+though it keeps that full buffer: ZeRO-1's memory). The price: each bucket is padded to a multiple of
+N on its own, and rank r's shard is scattered over the whole model.
+
+DeepSpeed's stage 2 (``DeepSpeedZeroOptimizer`` in deepspeed/runtime/zero/stage_1_and_2.py) keeps
+ZeRO-1's ONE global partition instead (rank r owns one contiguous 1/N of all parameters) and, per
+gradient bucket, REDUCES each slice of the bucket to the rank that owns it (``average_tensor``: one
+``dist.reduce(grad_slice, dst=owner)`` per partition the bucket spans; paper Sec. 5.2, "a reduction
+instead of an all-reduce at the partition boundaries"). Same bytes per step; but a bucket inside one
+rank's partition is one reduce to that rank alone, so during backward the receiving (and, under
+offload, the copying to the host) moves from rank to rank instead of being spread evenly: the
+imbalance its ``round_robin_gradients`` option (offload only) spreads out. Lesson 04 compares the two
+layouts; this engine implements the first.
+
+The pipeline, per parameter p:
 
     autograd accumulates p.grad (full size) -> post-accumulate-grad hook: add it into the bucket's
     full-size buffer, drop p.grad -> last gradient of the bucket arrived: launch the bucket's
     reduce-scatter (its own slice of the buffer is the output) -> when that finishes: shard / N is
     added to the persistent gradient shard and the full-size bucket buffer is freed.
+
+With the default ring reduce-scatter on gloo (``reduce_impl="ring"``) the launch BLOCKS inside the
+hook: the reduction interleaves with backward (each bucket's full-size buffer is freed early) but
+does not overlap it in time; ``reduce_impl="torch"`` launches it asynchronously and lets backward
+run on while it is in flight (lesson 04 shows both timelines).
 
 At most two buckets of full-size gradients exist at once (DeepSpeed's double-buffered reduce
 bucket): the previous bucket's reduce-scatter is waited for when the next one launches.

@@ -49,7 +49,8 @@ def gather(unit, group=None, async_op=False):
     (N-1)/N x the full buffer's bytes. Returns the async handle (or None)."""
     full = unit.full
     full.untyped_storage().resize_(full.numel() * full.element_size())   # Ψ_u elements again
-    return comm.all_gather(full, unit.shard, group=group, async_op=async_op, tag=unit.name)
+    tag = f"{unit.name} prefetch" if async_op else unit.name              # the engine's async gathers prefetch
+    return comm.all_gather(full, unit.shard, group=group, async_op=async_op, tag=tag)
 
 
 def free(unit):
