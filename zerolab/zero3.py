@@ -34,7 +34,7 @@ import sys
 import torch
 import torch.utils._pytree as pytree
 
-from zerolab import comm, engine
+from zerolab import activations, comm, engine
 from zerolab.engine import Option, ShardedEngine, is_count, is_flag
 from zerolab.shard_optim import master_dtype
 from zerolab.units import FREE, GATHERING, READY, build_units
@@ -107,6 +107,7 @@ class Zero3Engine(ShardedEngine):
         originals = {id(p): p.detach() for p in trainable}      # exact values, before any cast
         self.units = build_units(module, units, trainable, world_size=self.world_size, rank=self.rank,
                                  dtype=self.compute_dtype, persist_numel=persist_numel)
+        activations.check_unit_boundaries(self.checkpointed, self.units)   # recompute inside a gathered unit
         init = None
         if master_dtype(self.compute_dtype) != self.compute_dtype:   # bf16: fp32 master from originals
             init = [u.flat.shard_from([originals[id(p)] for p in u.flat.params], torch.float32) for u in self.units]
