@@ -316,26 +316,6 @@ def apply_checkpointing(model, mode, units=None):
     return regions
 
 
-def check_unit_boundaries(regions, units):
-    """ZeRO-3: a checkpointed module is recomputed inside backward, when backward first needs one of
-    its saved tensors, i.e. after its output's gradient arrived. If the module is a ZeRO-3 unit or
-    inside one, the unit's pre-backward hook has gathered its parameters by then (the gradient reached
-    the unit's output first). A module that spans units would recompute units whose parameters are
-    freed: refused here (ValueError). ``units``: the engine's :class:`zerolab.units.Unit` list."""
-    owner = {id(p): u for u in units for p in u.flat.params}
-    for m in regions:
-        gathered = {owner[id(p)].index: owner[id(p)] for p in m.parameters() if id(p) in owner}
-        on_demand = [u for u in gathered.values() if not u.resident]
-        inside = [u for u in on_demand if any(m is d for d in u.module.modules())]
-        contains = [u.name for u in units if u.module is not None and not u.resident and u.module is not m
-                    and any(u.module is d for d in m.modules())]
-        if len(on_demand) > 1 or len(inside) != len(on_demand) or contains:
-            spans = sorted({u.name for u in on_demand} | set(contains))
-            raise ValueError(f"a checkpointed module spans ZeRO-3 units {spans}: its recomputation in "
-                             f"backward would run units whose parameters are freed. Checkpoint each unit "
-                             f"(or modules inside one), or make the units coarser")
-
-
 # -- keep less: offload ---------------------------------------------------------------------
 class OffloadToHost(torch.autograd.graph.saved_tensors_hooks):
     """``torch.autograd.graph.save_on_cpu`` that counts what it moves and leaves parameters alone.
