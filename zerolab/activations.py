@@ -166,8 +166,9 @@ def layer_terms(seq_len, micro_batch, d_model, n_heads, *, dtype_bytes=2, dropou
 
     With e = 2 and dropout: 34·sbh + 5·a·s²·b, the paper's s·b·h·(34 + 5·a·s/h). Beyond the paper,
     measured on torch's kernels: ``flash=True`` (a fused kernel such as torch's
-    scaled_dot_product_attention) saves, instead of the s² terms, its output (which is also the output
-    projection's input: one tensor, counted there) and one fp32 logsumexp per row and head (4·a·s·b);
+    scaled_dot_product_attention) saves, instead of the s² terms, its output and one fp32 logsumexp
+    per row and head (4·a·s·b); the output is also the output projection's input (one tensor, saved
+    first by the kernel: "saved by" core_attention);
     ``stats_bytes`` > 0 adds each LayerNorm's saved mean and 1/std (2 per token per LayerNorm:
     4·sb·stats_bytes; the paper leaves them out as small).
     """
@@ -179,7 +180,7 @@ def layer_terms(seq_len, micro_batch, d_model, n_heads, *, dtype_bytes=2, dropou
              ("softmax output", "core_attention", 0 if flash else e * s2),
              ("attention dropout mask + output", "core_attention", (mask_bytes + e) * s2 if dropout and not flash else 0),
              ("flash kernel: logsumexp", "core_attention", 4 * a * s * b if flash else 0),
-             ("output projection input", "proj", e * sbh),
+             ("output projection input", "core_attention" if flash else "proj", e * sbh),
              ("MLP input", "fc", e * sbh),
              ("GeLU input", "block", 4 * e * sbh),
              ("MLP output-layer input", "out", 4 * e * sbh),
@@ -214,11 +215,14 @@ def activation_bytes_per_layer(seq_len, micro_batch, d_model, n_heads, *, dtype_
 
 def flops_per_token(num_params, *, recompute=None, n_layers=0, seq_len=0, d_model=0):
     """Training FLOPs per token: 6Ψ (forward 2, backward 4 per parameter) for the matrix multiplies,
-    plus the attention core's 12·L·s·h (QK^T and AV: 4·s·h per layer in forward, twice that in
-    backward) when the shapes are given. ``recompute='full'`` adds one more forward, 2Ψ + 4·L·s·h:
-    8Ψ instead of 6Ψ, +33% (Korthikanti et al. Sec. 5.1); ``'selective'`` only the core attention's
-    forward, 4·L·s·h. ``num_params``: the parameters that multiply every token (the Linear weights,
-    the output layer included; embeddings and norms do no matrix multiply)."""
+    plus the attention core's 12·L·s·h (QK^T and AV over all s x s pairs, as the naive kernel
+    computes them: 4·s·h per layer in forward, twice that in backward) when the shapes are given.
+    ``recompute='full'`` adds one more forward, 2Ψ + 4·L·s·h: 8Ψ instead of 6Ψ, +33% (Korthikanti et
+    al. Sec. 5.1); ``'selective'`` only the core attention's forward, 4·L·s·h. ``num_params``: the
+    parameters that multiply every token (the Linear weights, the output layer included; embeddings
+    and norms do no matrix multiply). An upper bound for torch's non-reentrant checkpoint, which
+    stops recomputing once the last tensor backward needs is back (``early_stop``): the last matmul
+    of a region, whose output nothing inside the region saved, is not run again (lesson 10)."""
     if recompute not in MODES:
         raise ValueError(f"recompute={recompute!r} is not supported: choose one of {MODES}")
     attention = 4 * n_layers * seq_len * d_model             # one forward of every core attention
@@ -333,6 +337,10 @@ class OffloadToHost(torch.autograd.graph.saved_tensors_hooks):
         self.pin_memory = pin_memory
         self.bytes_to_host = self.bytes_to_device = self.kept_bytes = 0
         super().__init__(self._pack, self._unpack)
+
+    def __enter__(self):
+        super().__enter__()
+        return self
 
     def _pack(self, t):
         if _is_parameter(t):
