@@ -36,8 +36,11 @@ def _is_parameter(t):
 
 
 def _storage_key(t):
+    """(device type, device index, the storage object's address), its bytes. The storage object, not
+    its data pointer: ZeRO-3 frees a unit's data and re-gathers it elsewhere while the storage object
+    lives on, and a freed data address is soon reused by a new activation."""
     st = t.untyped_storage()
-    return (t.device.type, t.device.index, st.data_ptr()), st.nbytes()
+    return (t.device.type, t.device.index, st._cdata), st.nbytes()
 
 
 # -- measure ----------------------------------------------------------------------------------
@@ -94,10 +97,12 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t):
         key, storage_bytes = _storage_key(t)
-        first = key not in self._seen
-        self._seen.add(key)
+        parameter = _is_parameter(t) or key in self._skip
+        first = not parameter and key not in self._seen
+        if first:
+            self._seen.add(key)      # saved tensors stay alive until backward: their keys stay theirs
         self.records.append((self._stack[-1], tuple(t.shape), t.dtype, t.numel() * t.element_size(), key,
-                             storage_bytes, _is_parameter(t) or key in self._skip, first))
+                             storage_bytes, parameter, first))
         return self._outer[0](t) if self._outer else t.detach()   # detach: no reference cycle
 
     def _unpack(self, packed):
