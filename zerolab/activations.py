@@ -53,7 +53,7 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         saved.by_module()      # {innermost module running when it was saved: bytes}
 
     A tensor is attributed to the innermost submodule of ``model`` whose forward was running when an
-    op saved it ('' for the model's own code; 'blocks.0' for work in a block's own forward, such as
+    op saved it (``per_module=False``: no attribution, no module hooks, only the totals) ('' for the model's own code; 'blocks.0' for work in a block's own forward, such as
     TinyGPT's GeLU). Counted by storage, first saver only: q, k and v, views of one qkv tensor, count
     that tensor once. Parameters (and views of them, such as ``weight.t()``) and buffers are model
     states, not activations: recorded with ``parameter=True`` and left out of the totals.
@@ -65,8 +65,8 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
     hooks and keeps only the region's inputs, which ARE recorded here: what a checkpoint costs).
     """
 
-    def __init__(self, model=None):
-        self.model, self.records = model, []
+    def __init__(self, model=None, *, per_module=True):
+        self.model, self.per_module, self.records = model, per_module, []
         self._seen, self._stack, self._handles, self._outer, self._skip = set(), [""], [], None, set()
         super().__init__(self._pack, self._unpack)
 
@@ -74,7 +74,7 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self._outer = _outer_hooks()
         if self.model is not None:
             self._skip = {_storage_key(b)[0] for b in self.model.buffers()}
-            for name, module in self.model.named_modules():
+            for name, module in self.model.named_modules() if self.per_module else ():
                 if module is not self.model:
                     self._handles.append(module.register_forward_pre_hook(self._enter(name)))
                     self._handles.append(module.register_forward_hook(self._leave, always_call=True))

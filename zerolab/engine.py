@@ -277,7 +277,7 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._open_step_log()
-        with activations.SavedTensors() as saved:     # measures, keeps nothing; outer hooks still run
+        with activations.SavedTensors(self.module, per_module=False) as saved:   # keeps nothing; outer hooks run
             out = self.forward(*args, **kwargs)
         self._activations = saved.by_device()
         return out
