@@ -99,6 +99,7 @@ def test_checkpointing_keeps_less_and_gives_the_same_gradients(mode):
     for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-14, msg=name)
     s, b, h, a = SMALL["seq_len"], 4, SMALL["d_model"], SMALL["n_heads"]
+    stats = 0 if mode == "full" else 4 * s * b * 8           # the LayerNorms' mean and 1/std, float64
     for i in range(SMALL["n_layers"]):
         kept = sum(v for k, v in after.by_module().items() if k.startswith(f"blocks.{i}"))
         full = sum(v for k, v in before.by_module().items() if k.startswith(f"blocks.{i}"))
@@ -106,6 +107,8 @@ def test_checkpointing_keeps_less_and_gives_the_same_gradients(mode):
             assert kept == 8 * s * b * h                                     # the block's input
         else:
             assert full - kept == 8 * a * s * s * b                          # the softmax output
+        assert kept == stats + activations.activation_bytes_per_layer(s, b, h, a, dtype_bytes=8, dropout=False,
+                                                                      recompute=mode)
     assert len(regions) == SMALL["n_layers"]
 
 

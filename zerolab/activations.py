@@ -18,10 +18,15 @@ with dropout, the paper's Eq. (1): s·b·h·(34 + 5·a·s/h) bytes; full recompu
 layer's input (2·s·b·h) and runs the forward again in backward (6 -> 8 FLOPs per parameter per
 token); selective recomputation drops the 5·a·s²·b term of the attention core for a few FLOPs.
 """
+from collections import namedtuple
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
 MODES = (None, "full", "selective")
+# One tensor handed to a pack hook: where it was saved, its own bytes, its storage and that storage's
+# bytes, whether it is a parameter (or buffer), and whether this storage was saved here for the first time.
+Saved = namedtuple("Saved", "module shape dtype nbytes storage storage_bytes parameter first")
 
 
 def _outer_hooks():
@@ -38,7 +43,7 @@ def _is_parameter(t):
 def _storage_key(t):
     """(device type, device index, the storage object's address), its bytes. The storage object, not
     its data pointer: ZeRO-3 frees a unit's data and re-gathers it elsewhere while the storage object
-    lives on, and a freed data address is soon reused by a new activation."""
+    lives on, and a freed data address can be reused by a new activation."""
     st = t.untyped_storage()
     return (t.device.type, t.device.index, st._cdata), st.nbytes()
 
@@ -53,13 +58,13 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         saved.by_module()      # {innermost module running when it was saved: bytes}
 
     A tensor is attributed to the innermost submodule of ``model`` whose forward was running when an
-    op saved it (``per_module=False``: no attribution, no module hooks, only the totals) ('' for the model's own code; 'blocks.0' for work in a block's own forward, such as
-    TinyGPT's GeLU). Counted by storage, first saver only: q, k and v, views of one qkv tensor, count
-    that tensor once. Parameters (and views of them, such as ``weight.t()``) and buffers are model
-    states, not activations: recorded with ``parameter=True`` and left out of the totals.
+    op saved it ('' for the model's own code; 'blocks.0' for work in a block's own forward, such as
+    TinyGPT's GeLU; ``per_module=False``: no module hooks, totals only). Counted by storage, first
+    saver only: q, k and v, views of one qkv tensor, count that tensor once. Parameters (and views of
+    them, such as ``weight.t()``) and the model's buffers are model states, not activations: recorded
+    with ``parameter=True`` and left out of the totals.
 
-    Nothing is kept: each record is (module, shape, dtype, bytes of the tensor, storage key, bytes of
-    its storage, parameter?, first time this storage was saved?). Saved-tensor hooks already active
+    Nothing is kept: ``records`` holds one :data:`Saved` per tensor. Saved-tensor hooks already active
     outside (``save_on_cpu``, another ``SavedTensors``) still receive every tensor. Tensors saved
     inside a ``torch.utils.checkpoint`` region are the checkpoint's business (it installs its own
     hooks and keeps only the region's inputs, which ARE recorded here: what a checkpoint costs).
@@ -101,49 +106,41 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         first = not parameter and key not in self._seen
         if first:
             self._seen.add(key)      # saved tensors stay alive until backward: their keys stay theirs
-        self.records.append((self._stack[-1], tuple(t.shape), t.dtype, t.numel() * t.element_size(), key,
-                             storage_bytes, parameter, first))
+        self.records.append(Saved(self._stack[-1], tuple(t.shape), t.dtype, t.numel() * t.element_size(), key,
+                                  storage_bytes, parameter, first))
         return self._outer[0](t) if self._outer else t.detach()   # detach: no reference cycle
 
     def _unpack(self, packed):
         return self._outer[1](packed) if self._outer else packed
 
     def _activations(self):
-        return [r for r in self.records if not r[6] and r[7]]      # not a parameter, first saver
+        return [r for r in self.records if r.first]                 # first saver (never a parameter)
 
     def total(self):
         """Bytes of activations saved in the region: each storage once, parameters excluded."""
-        return sum(r[5] for r in self._activations())
+        return sum(r.storage_bytes for r in self._activations())
 
     def by_module(self, depth=None):
         """{module name: bytes} in the order modules first saved something; ``depth`` keeps only
         the first ``depth`` parts of each name ('blocks.0.qkv' -> 'blocks.0' with depth=2)."""
         out = {}
         for r in self._activations():
-            name = ".".join(r[0].split(".")[:depth]) if depth else r[0]
-            out[name] = out.get(name, 0) + r[5]
+            name = ".".join(r.module.split(".")[:depth]) if depth else r.module
+            out[name] = out.get(name, 0) + r.storage_bytes
         return out
 
     def by_device(self):
         """{device type: bytes} of the activations (the engine's ``activation_report``)."""
         out = {}
         for r in self._activations():
-            out[r[4][0]] = out.get(r[4][0], 0) + r[5]
+            out[r.storage[0]] = out.get(r.storage[0], 0) + r.storage_bytes
         return out
 
     def packed_bytes(self, parameters=False):
         """Bytes handed to the pack hook, every call counted with its own size (a view of a storage
         saved twice counts twice): what ``save_on_cpu`` copies to the host. ``parameters=True``:
         also the parameters (``save_on_cpu`` copies them too)."""
-        return sum(r[3] for r in self.records if parameters or not r[6])
-
-
-def saved_bytes_per_layer(model, *inputs, depth=2, **kwargs):
-    """{layer: bytes} one forward of ``model`` saves for backward (``depth=2``: 'blocks.0', 'head',
-    ...); a convenience over :class:`SavedTensors`. The output and its graph are discarded."""
-    with torch.enable_grad(), SavedTensors(model) as saved:
-        model(*inputs, **kwargs)
-    return saved.by_module(depth)
+        return sum(r.nbytes for r in self.records if parameters or not r.parameter)
 
 
 # -- predict: Korthikanti et al. 2022, Sec. 4.1, for a model's own shapes and dtypes ------------
@@ -204,11 +201,12 @@ def activation_bytes_per_layer(seq_len, micro_batch, d_model, n_heads, *, dtype_
     arXiv 2205.05198; see :func:`layer_terms`): the planner's activation model.
 
     ``recompute=None``: every term, s·b·h·(34 + 5·a·s/h) for 16-bit with dropout (Eq. 1);
-    ``'selective'``: the core attention is recomputed, its s² terms are not kept: 34·s·b·h (Sec. 5.2);
-    ``'full'``: only the layer's input, e·s·b·h (2·s·b·h in 16-bit, Sec. 5.1). During backward, full
+    ``'selective'``: the core attention is recomputed, its s² terms are not kept: 34·s·b·h (Sec. 5);
+    ``'full'``: only the layer's input, e·s·b·h (2·s·b·h in 16-bit, Sec. 5). During backward, full
     recomputation also holds ONE layer's recomputed working set (the ``recompute=None`` bytes) on
-    top; selective, one layer's core attention. ``flash=True``: a fused attention kernel (no s² term).
-    Checked against measurement in tests/test_activations.py (TinyGPT, float32 and bfloat16)."""
+    top; selective, one layer's core attention. ``flash=True``: a fused attention kernel (no s² term);
+    ``dropout=False``: a layer without dropout (TinyGPT). Checked against measurement in
+    tests/test_activations.py and lesson 10 (TinyGPT, float32 and bfloat16)."""
     if recompute not in MODES:
         raise ValueError(f"recompute={recompute!r} is not supported: choose one of {MODES}")
     if recompute == "full":
@@ -223,7 +221,7 @@ def flops_per_token(num_params, *, recompute=None, n_layers=0, seq_len=0, d_mode
     plus the attention core's 12·L·s·h (QK^T and AV over all s x s pairs, as the naive kernel
     computes them: 4·s·h per layer in forward, twice that in backward) when the shapes are given.
     ``recompute='full'`` adds one more forward, 2Ψ + 4·L·s·h: 8Ψ instead of 6Ψ, +33% (Korthikanti et
-    al. Sec. 5.1); ``'selective'`` only the core attention's forward, 4·L·s·h. ``num_params``: the
+    al. Sec. 5); ``'selective'`` only the core attention's forward, 4·L·s·h. ``num_params``: the
     parameters that multiply every token (the Linear weights, the output layer included; embeddings
     and norms do no matrix multiply). An upper bound for torch's non-reentrant checkpoint, which
     stops recomputing once the last tensor backward needs is back (``early_stop``): the last matmul

@@ -16,7 +16,7 @@ ATTENTIONS = ("sdpa", "naive")
 class CoreAttention(nn.Module):
     """Causal softmax(q k^T / sqrt(d)) v over (B, H, T, d) heads; no parameters. Megatron-LM calls
     this part of the layer "core attention" (``CoreAttention``), and it is what Korthikanti et al.'s
-    selective recomputation recomputes (arXiv 2205.05198, Sec. 5.2).
+    selective recomputation recomputes (arXiv 2205.05198, Sec. 5).
 
     ``kind='sdpa'``: ``F.scaled_dot_product_attention``, which picks a fused (flash / memory-efficient)
     kernel that never stores the (B, H, T, T) scores: it saves q, k, v, its output and a logsumexp per
