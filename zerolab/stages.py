@@ -56,8 +56,9 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
     'torch'; default: torch's on NCCL, the ring on gloo. ``activation_checkpointing='full'`` or
     ``'selective'`` (every stage): recompute each block, or each block's core attention, in backward
     (``checkpoint_units=[...]``: the modules to recompute, for models other than TinyGPT; lesson 10).
-    Stage-specific options (stage 3: ``units``, ``prefetch``, ``persist_numel``, ``ops``) are keywords too. Raises ValueError naming any bad or
-    unknown value and the valid ones. Every rank must call it with the same model (checked).
+    Stage-specific options (stage 3: ``units``, ``prefetch``, ``persist_numel``, ``ops``) are keywords
+    too. Raises ValueError naming any bad or unknown value and the valid ones. Every rank must call it
+    with the same model (checked).
     """
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not supported: choose one of {STAGES}")
