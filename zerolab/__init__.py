@@ -6,6 +6,8 @@ The public API, by lesson:
     03  Zero1Optimizer (ZeroRedundancyOptimizer-shaped)
     07  zerolab.cost, zerolab.calibrate, zerolab.demo (also `zerolab demo`)
     09  engine.save_checkpoint / load_checkpoint, zerolab.checkpoint.consolidate
+    10  initialize(..., activation_checkpointing='full' | 'selective'), engine.activation_report();
+        zerolab.activations
 """
 from zerolab.launch import (Cluster, RankError, RankTimeout, init_from_env, launch, rank_device,
                             rank_state)

@@ -13,6 +13,7 @@ from a static table. Every engine has the same surface, modelled on DeepSpeed's 
     engine.optimizer             # a torch.optim.Optimizer: LR schedulers work unchanged
     engine.full_state_dict()     # full parameters on every rank, loadable into the plain model
     engine.memory_report()       # this rank's model-state bytes {kind: {device: bytes}}
+    engine.activation_report()   # bytes the last forward saved for backward {device: bytes}
     engine.last_step_comm        # zerolab.comm.CommLog of the last step
     engine.timeline = Timeline() # record compute and communication spans of the next steps
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zerolab import checkpoint, comm
+from zerolab import activations, checkpoint, comm
 from zerolab.flat import unique_trainable
 from zerolab.launch import rank_device
 from zerolab.memory import storage_bytes_by_kind
@@ -76,10 +77,11 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
     in) and the optimizer's arguments. Raises ValueError naming an unknown or bad option and the
     valid ones. ``others``: [(label, engine class)] of the other engines, to say where an option of
     another stage belongs."""
-    options = {name: spec.default for name, spec in engine_class.OPTIONS.items()}
+    specs = engine_class.options()
+    options = {name: spec.default for name, spec in specs.items()}
     opt_kwargs, accepted = {}, _optimizer_arguments(optimizer_class)
     for name, value in kwargs.items():
-        spec = engine_class.OPTIONS.get(name)
+        spec = specs.get(name)
         if spec is not None:
             if not spec.accepts(value):
                 raise ValueError(f"{name}={value!r} is not valid for {engine_class.label()}: {spec.valid}")
@@ -87,10 +89,10 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
         elif name in accepted:
             opt_kwargs[name] = value
         else:
-            owners = sorted({label for label, cls in others if name in cls.OPTIONS})
+            owners = sorted({label for label, cls in others if name in cls.options()})
             where = f"; it is an option of {', '.join(owners)}" if owners else ""
             raise ValueError(f"unknown option {name!r} for {engine_class.label()}{where}. Valid: the engine's "
-                             f"options {sorted(engine_class.OPTIONS) or '(none)'} and {optimizer_class.__name__}'s "
+                             f"options {sorted(specs) or '(none)'} and {optimizer_class.__name__}'s "
                              f"arguments {sorted(accepted)}")
     return options, opt_kwargs
 
@@ -207,11 +209,19 @@ class Engine:
 
     stage = None
     offloaded = False             # True for the ZeRO-Offload engines (zerolab.offload)
-    OPTIONS = {}                  # stage-specific keywords of initialize: {name: Option}
+    # Keywords of initialize: {name: Option}. Every engine has these; each class adds its own
+    # (merged along the class hierarchy by options(), checked by split_options).
+    OPTIONS = {"activation_checkpointing": Option(
+                   None, f"one of {activations.MODES}: recompute each block ('full') or each block's core "
+                   f"attention ('selective') in backward instead of keeping its activations (lesson 10)",
+                   lambda v: v in activations.MODES),
+               "checkpoint_units": Option(
+                   None, "None (TinyGPT's blocks, or their core_attention) or a list of submodules to "
+                   "checkpoint", lambda v: v is None or isinstance(v, (list, tuple)))}
     host_kinds = ()               # kinds of state that live on the host (offload engines)
 
     def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, bucket_bytes, reduce_impl=None,
-                 group=None):
+                 group=None, activation_checkpointing=None, checkpoint_units=None):
         self.module = module
         self.optimizer_class = optimizer
         self.opt_kwargs = dict(opt_kwargs)
@@ -226,6 +236,15 @@ class Engine:
         self.steps = 0                # optimizer steps taken (saved and restored by checkpoints)
         self.optimizer = None
         self._region = None
+        # Activation checkpointing (lesson 10): the modules whose forward is recomputed in backward.
+        self.activation_checkpointing = activation_checkpointing
+        self.checkpointed = activations.apply_checkpointing(module, activation_checkpointing, checkpoint_units)
+        self._activations = {}        # {device type: bytes} saved by the last forward
+
+    @classmethod
+    def options(cls):
+        """{name: Option} of every keyword this engine accepts: Engine's, then each subclass's."""
+        return {name: spec for c in reversed(cls.__mro__) for name, spec in vars(c).get("OPTIONS", {}).items()}
 
     @classmethod
     def label(cls):
@@ -258,7 +277,10 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._open_step_log()
-        return self.forward(*args, **kwargs)
+        with activations.SavedTensors(self.module, per_module=False) as saved:   # keeps nothing; outer hooks run
+            out = self.forward(*args, **kwargs)
+        self._activations = saved.by_device()
+        return out
 
     def forward(self, *args, **kwargs):
         with comm.span("forward"):
@@ -331,6 +353,12 @@ class Engine:
     def memory_report(self):
         """This rank's model-state bytes: {kind: {device type: bytes}}, each storage counted once."""
         return storage_bytes_by_kind(self.state_tensors())
+
+    def activation_report(self):
+        """{device type: bytes} the last forward saved for backward (activations: each storage once,
+        parameters excluded; with checkpointing, only what the checkpoints keep), measured with
+        saved-tensor hooks (:class:`zerolab.activations.SavedTensors`). ZeRO partitions none of it."""
+        return dict(self._activations)
 
     def placement(self):
         """{'device': bytes, 'host': bytes} of this rank's model states BY ROLE: what would sit on

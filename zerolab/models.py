@@ -10,14 +10,46 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+ATTENTIONS = ("sdpa", "naive")
 
-    def __init__(self, d_model, n_heads):
+
+class CoreAttention(nn.Module):
+    """Causal softmax(q k^T / sqrt(d)) v over (B, H, T, d) heads; no parameters. Megatron-LM calls
+    this part of the layer "core attention" (``CoreAttention``), and it is what Korthikanti et al.'s
+    selective recomputation recomputes (arXiv 2205.05198, Sec. 5).
+
+    ``kind='sdpa'``: ``F.scaled_dot_product_attention``, which picks a fused (flash / memory-efficient)
+    kernel that never stores the (B, H, T, T) scores: it saves q, k, v, its output and a logsumexp per
+    row, and recomputes the scores in backward. ``kind='naive'``: the textbook formula, whose softmax
+    saves its (B, H, T, T) output for backward, the term quadratic in T (lesson 10)."""
+
+    def __init__(self, kind="sdpa"):
+        super().__init__()
+        if kind not in ATTENTIONS:
+            raise ValueError(f"attention={kind!r} is not supported: choose one of {ATTENTIONS}")
+        self.kind = kind
+
+    def forward(self, q, k, v):                             # each (B, H, T, d)
+        if self.kind == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        T = q.shape[-2]
+        # An additive mask (0 on and below the diagonal, -inf above): adding saves nothing for
+        # backward, where masked_fill would save a (T, T) boolean mask.
+        mask = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        scores = q @ k.transpose(-2, -1) * (1.0 / math.sqrt(q.shape[-1])) + mask   # (B, H, T, T)
+        return torch.softmax(scores, dim=-1) @ v           # softmax saves its (B, H, T, T) output
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x)). ``attention``: 'sdpa'
+    (fused kernel, the default) or 'naive' (stores the attention probabilities), see CoreAttention."""
+
+    def __init__(self, d_model, n_heads, attention="sdpa"):
         super().__init__()
         self.n_heads = n_heads
         self.ln1 = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.core_attention = CoreAttention(attention)
         self.proj = nn.Linear(d_model, d_model)
         self.ln2 = nn.LayerNorm(d_model)
         self.fc = nn.Linear(d_model, 4 * d_model)
@@ -27,7 +59,7 @@ class Block(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)     # 3 x (B, T, C)
         q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)   # (B, H, T, C/H)
+        y = self.core_attention(q, k, v)                    # (B, H, T, C/H)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -37,17 +69,19 @@ class TinyGPT(nn.Module):
 
     The output layer shares its weight with the token embedding (tied weights), as GPT-2 does:
     one tensor, two uses; every ZeRO stage must count it once and give it both gradients.
-    ``blocks`` is the list a ZeRO-3 engine wraps unit by unit.
+    ``blocks`` is the list a ZeRO-3 engine wraps unit by unit. ``attention``: 'sdpa' or 'naive'
+    (:class:`CoreAttention`); the parameters are the same either way.
     """
 
-    def __init__(self, vocab_size=256, d_model=64, n_layers=2, n_heads=4, seq_len=32, tied=True):
+    def __init__(self, vocab_size=256, d_model=64, n_layers=2, n_heads=4, seq_len=32, tied=True,
+                 attention="sdpa"):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.seq_len = seq_len
         self.tok = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, attention) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         if tied:

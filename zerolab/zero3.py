@@ -126,7 +126,7 @@ class Zero3Engine(ShardedEngine):
                 u.module.register_forward_hook(self._post_forward_hook(u))
             self._free(u)                                         # resting state: shards only
         module.register_forward_pre_hook(self._guard)
-        self._in_forward, self._inflight, self._fwd, self._bwd = False, [], [], []
+        self._in_forward, self._in_backward, self._inflight, self._fwd, self._bwd = False, False, [], [], []
         self._predicted = [u.index for u in self.units if not u.resident]   # forward order guess
 
     @property
@@ -208,7 +208,9 @@ class Zero3Engine(ShardedEngine):
     def _pre_forward_hook(self, u):
         def hook(module, args):
             if not self._in_forward:
-                return                           # the guard on the model raises
+                if self._in_backward:            # recomputed in backward (activation checkpointing) by a
+                    self._gather(u)              # checkpoint that spans units: gathered now, kept until its
+                return                           # own backward is done. Else the guard on the model raises
             self._fwd.append(u.index)
             self._gather(u)                      # all-gather right before use (or wait for the prefetch)
             self._prefetch(self._predicted, len(self._fwd) - 1)
@@ -285,6 +287,7 @@ class Zero3Engine(ShardedEngine):
 
     @torch.no_grad()
     def _backward(self, loss):
+        self._in_backward = True
         try:
             with torch.enable_grad():
                 loss.backward()                  # gathers, reduce-scatters and frees from the hooks
@@ -294,6 +297,8 @@ class Zero3Engine(ShardedEngine):
                                    "pre-backward hook must gather the unit again before its backward "
                                    f"runs (register_pre_backward, gather). torch said: {exc}") from exc
             raise
+        finally:
+            self._in_backward = False
         for u in self.units:                     # units with unused parameters (or none used):
             if not u.launched:                   # reduce-scattered now, in unit order on every rank
                 self._grads_complete(u)
