@@ -212,7 +212,8 @@ class BucketedGradSync:
         b, view = self._slot[id(p)]
         if b.reduced is None:
             return p.grad
-        off = sum(q.numel() for q in b.params[:b.params.index(p)])
+        i = next(i for i, q in enumerate(b.params) if q is p)
+        off = sum(q.numel() for q in b.params[:i])
         return b.reduced[off:off + p.numel()].view_as(p)
 
     def zero_grad(self):
@@ -293,6 +294,13 @@ class DataParallel(nn.Module):
         if self.sync is not None:
             return self.sync.reduced_grad(p)
         return self._reduced.get(id(p), p.grad)
+
+    def reduced_copies(self):
+        """The reduce_dtype copies alive now (none when gradients are reduced in their own dtype)."""
+        if self.sync is not None:
+            return [b.reduced for b in self.sync.buckets if b.reduced is not None]
+        return [g for p in unique_trainable(self.module.parameters())
+                if (g := self._reduced.get(id(p))) is not None and g is not p.grad]
 
     def zero_grad(self, set_to_none=True):
         """Bucketed: zero the buckets in place (grads stay bucket views, whatever set_to_none

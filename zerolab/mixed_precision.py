@@ -148,6 +148,14 @@ class LossScaler:
                     self.growth_tracker = 0
         self._found = None
 
+    def state_dict(self):
+        """What a checkpoint keeps (GradScaler's keys): the scale and the good steps counted."""
+        return {"scale": self.scale_value, "growth_factor": self.growth_factor, "backoff_factor":
+                self.backoff_factor, "growth_interval": self.growth_interval, "_growth_tracker": self.growth_tracker}
+
+    def load_state_dict(self, state):
+        self.scale_value, self.growth_tracker = float(state["scale"]), int(state["_growth_tracker"])
+
     def get_scale(self):
         """The current scale (GradScaler's name for it)."""
         return self.scale_value

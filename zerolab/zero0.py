@@ -100,7 +100,7 @@ class DataParallelEngine(Engine):
         per-element optimizer state (Adam's 0-dim step counters are not per-parameter memory)."""
         grads = ([b.buffer for b in self.ddp.sync.buckets] if self.ddp.sync is not None
                  else [p.grad for p in self.trainable])
-        grads += [g for g in map(self.ddp.reduced_grad, self.trainable) if g is not None]   # reduce_dtype copies
+        grads += self.ddp.reduced_copies()          # reduce_dtype copies, while they live
         opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         trainable = {id(p) for p in self.trainable}
         frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable]

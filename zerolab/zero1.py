@@ -156,7 +156,9 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def state_tensors(self):
         params = [f.data for f, _, _ in self._groups()]
-        grads = [g for _, g, _ in self._groups()] + self._grad_shards   # + reduce_dtype copies
+        grads = [g for _, g, _ in self._groups()]
+        grads += [s for s, g in zip(self._grad_shards, grads)                # + reduce_dtype copies
+                  if s.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()]
         shard = [s.state_tensors() for _, _, s in self._groups()]
         return {"params": params, "grads": grads,
                 "master": [t for s in shard for t in s["master"]],
