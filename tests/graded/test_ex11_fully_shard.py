@@ -2,7 +2,8 @@
 gradients. Besides the values (one process: explicit slicing, torch.amp.GradScaler's decisions,
 torch.nn.utils.clip_grad_norm_ in float64) the tests check what goes on the wire: one all-gather of
 the N padded pieces to rebuild a parameter, and ONE all-reduce of a single number per overflow check
-and per norm. Cheapest first (the wrong-answer test runs this file with -x)."""
+and per norm. Cheapest first, 3-rank tests before the 2-rank one (the wrong-answer test
+runs this file with -x)."""
 import math
 
 import pytest
@@ -99,6 +100,51 @@ def _gpt():
     return models.build("gpt", seed=0, dtype=torch.float64, **GPT)
 
 
+MAX_NORM = 0.2
+
+
+def check_clip():
+    """A fully_shard TinyGPT whose blocks are sharded and whose embeddings, final norm and head are
+    left whole (replicated), 3 ranks: your clip_grad_norm_ on its gradients, 2 steps."""
+    import zerolab
+    ex = exercise_module("ex11_fully_shard")
+    model = _gpt()
+    fs = zerolab.fully_shard(model, units=list(model.blocks))
+    opt = torch.optim.SGD(fs.parameters(), lr=0.5)
+    norms = []
+    for step in range(2):
+        fs(*_batch(step, dist.get_rank())).backward()
+        fs.finish_gradient_synchronization()
+        grads = fs.owned_grads()
+        with record_collectives() as calls:
+            norm = ex.clip_grad_norm_(grads.sharded, grads.replicated, MAX_NORM)
+        ops = [(c["op"], c["bytes"]) for c in calls]
+        assert len(ops) == 1 and ops[0][0] == "all_reduce" and ops[0][1] <= 8, (
+            f"rank {dist.get_rank()}: clip_grad_norm_ made {ops}; expected ONE all_reduce of one number")
+        norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    return norms, fs.full_state_dict()
+
+
+@pytest.mark.points(3)
+def test_clip_grad_norm_equals_torch(on_ranks):
+    model = _gpt()
+    opt, norms = torch.optim.SGD(model.parameters(), lr=0.5), []
+    for step in range(2):
+        model(*_batch(step, None, 3)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    assert norms[0] > MAX_NORM
+    for rank, (got, state) in enumerate(on_ranks(3, check_clip)):
+        assert got == pytest.approx(norms, rel=1e-10), (
+            f"rank {rank}: norms {got}; torch.nn.utils.clip_grad_norm_ on one process: {norms}")
+        for name, p in model.named_parameters():
+            assert_close(state[name], p.detach(), f"rank {rank}: {name} after 2 clipped steps", rtol=1e-10,
+                         atol=1e-12)
+
+
 INJECT, STEPS = (1, 3), 5
 
 
@@ -146,48 +192,3 @@ def test_loss_scaling_skips_like_grad_scaler(on_ranks):
                                 f"process: {history}")
         for name, p in model.named_parameters():
             assert_close(state[name], p.detach(), f"rank {rank}: {name} after {STEPS} steps", rtol=1e-10, atol=1e-12)
-
-
-MAX_NORM = 0.2
-
-
-def check_clip():
-    """A fully_shard TinyGPT whose blocks are sharded and whose embeddings, final norm and head are
-    left whole (replicated), 3 ranks: your clip_grad_norm_ on its gradients, 2 steps."""
-    import zerolab
-    ex = exercise_module("ex11_fully_shard")
-    model = _gpt()
-    fs = zerolab.fully_shard(model, units=list(model.blocks))
-    opt = torch.optim.SGD(fs.parameters(), lr=0.5)
-    norms = []
-    for step in range(2):
-        fs(*_batch(step, dist.get_rank())).backward()
-        fs.finish_gradient_synchronization()
-        grads = fs.owned_grads()
-        with record_collectives() as calls:
-            norm = ex.clip_grad_norm_(grads.sharded, grads.replicated, MAX_NORM)
-        ops = [(c["op"], c["bytes"]) for c in calls]
-        assert len(ops) == 1 and ops[0][0] == "all_reduce" and ops[0][1] <= 8, (
-            f"rank {dist.get_rank()}: clip_grad_norm_ made {ops}; expected ONE all_reduce of one number")
-        norms.append(float(norm))
-        opt.step()
-        opt.zero_grad()
-    return norms, fs.full_state_dict()
-
-
-@pytest.mark.points(3)
-def test_clip_grad_norm_equals_torch(on_ranks):
-    model = _gpt()
-    opt, norms = torch.optim.SGD(model.parameters(), lr=0.5), []
-    for step in range(2):
-        model(*_batch(step, None, 3)).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-        opt.zero_grad()
-    assert norms[0] > MAX_NORM
-    for rank, (got, state) in enumerate(on_ranks(3, check_clip)):
-        assert got == pytest.approx(norms, rel=1e-10), (
-            f"rank {rank}: norms {got}; torch.nn.utils.clip_grad_norm_ on one process: {norms}")
-        for name, p in model.named_parameters():
-            assert_close(state[name], p.detach(), f"rank {rank}: {name} after 2 clipped steps", rtol=1e-10,
-                         atol=1e-12)
