@@ -257,12 +257,14 @@ class FullyShardedModule(nn.Module):
             buf[:, s.offset:s.offset + s.shard_numel].copy_(padded.view(n, -1))
             s.full.grad = None                   # no full-size gradient survives the unit
         self._free(u)                            # its weights are no longer needed this step
-        if len(self._inflight) > 1:
+        if self._inflight:
             self._finish_oldest()                # at most two units' buffers alive
         own = buf[self.rank]                     # in place: rank r receives the sum of its row
         work = engine.reduce_scatter(own, buf.view(-1), group=self.group, impl=self.reduce_impl,
                                      async_op=True, tag=u.name)
         self._inflight.append((u, own, work))
+        if work is None:
+            self._finish_oldest()                # blocking (the ring on gloo): done, free `buf` now
 
     def _finish_oldest(self):
         u, own, work = self._inflight.pop(0)
