@@ -405,6 +405,8 @@ def test_clear_errors(clusters):
         mixed = _build("mlp")
         mixed.mid.float()
         expect("several dtypes", lambda: mixed, units=[mixed])
+        stray = _build("mlp")                 # inp and out left whole in float64, the rest in bf16
+        expect("stay whole", lambda: stray, param_dtype=torch.bfloat16, units=[stray.mid])
         return out
     assert clusters(1).run(run) == [[]]
     with pytest.raises(ValueError, match="process group"):

@@ -136,6 +136,11 @@ class FullyShardedModule(nn.Module):
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reduce_impl = engine.default_reduce_impl(group)
         owners, self.replicated, frozen = _assign(module, units)
+        stray = {id(p) for p in self.replicated if p.dim() > 0 and param_dtype not in (None, p.dtype)}
+        if stray:                                # they would compute in their dtype, the rest in param_dtype
+            names = [n for n, p in module.named_parameters() if id(p) in stray]
+            raise ValueError(f"param_dtype={param_dtype} but {names[:4]} stay whole in their own dtype (in no "
+                             f"unit): put them in a unit (add the model itself to units: the root)")
         self.units = []
         for unit_module, params in owners.items():
             dtypes = {p.dtype for p, _ in params}
