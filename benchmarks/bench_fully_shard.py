@@ -110,7 +110,8 @@ def _measure(steps):
 
 
 def main(world_sizes=(2,), steps=8):
-    rows = ["| ranks | compute | configuration | step (ms) | / FSDP2 | peak memory (MB) | / FSDP2 | live after step, zero_grad (MB) |",
+    rows = ["| ranks | compute | configuration | step (ms) | / FSDP2 | peak memory (MB) | / FSDP2 "
+            "| live after step, zero_grad (MB) |",
             "|---:|---|---|---:|---:|---:|---:|---:|"]
     headlines = []
     psi = sum(p.numel() for p in models.build("gpt", seed=0, **MODEL).parameters())

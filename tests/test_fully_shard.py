@@ -286,8 +286,9 @@ def test_gathers_and_reduce_scatters_per_unit(clusters):
     unit; everything done when backward returns (finish is then a no-op)."""
     for fwd, bwd, finish, grads in clusters(2).run(comm_of_a_step):
         assert fwd == [("all_gather", "root"), ("all_gather", "blocks.0"), ("all_gather", "blocks.1")], fwd
-        assert sorted(bwd) == sorted([("all_gather", "blocks.1"), ("all_gather", "blocks.0"), ("reduce_scatter", "root"),
-                                      ("reduce_scatter", "blocks.1"), ("reduce_scatter", "blocks.0")]), bwd
+        assert sorted(bwd) == sorted([("all_gather", "blocks.1"), ("all_gather", "blocks.0"),
+                                      ("reduce_scatter", "root"), ("reduce_scatter", "blocks.1"),
+                                      ("reduce_scatter", "blocks.0")]), bwd
         assert finish == 0 and grads
 
 

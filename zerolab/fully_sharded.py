@@ -31,7 +31,9 @@ itself included to shard what no inner unit holds (the *root*); default each of 
     backward: all-gather again (if freed) -> gradients -> copy-in -> reduce-scatter (Ψ_u) -> own
               rows / N into each shard's .grad -> free
 
-The root is gathered once per step and freed at the end of backward (as FSDP2's root). Trainable
+The root is gathered once per step and kept until its gradients are complete (as FSDP2's root).
+No prefetch: each all-gather starts when its unit is about to run (FSDP2 overlaps them on CUDA
+streams; zerolab's stage-3 engine prefetches one unit ahead). Trainable
 parameters in no unit (and 0-dim ones) stay whole: their gradients are all-reduced (averaged) at
 the end of backward, identical on every rank. Frozen parameters and floating buffers stay whole,
 cast to ``param_dtype``. A weight tied across units belongs to the smallest unit holding all of
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 from zerolab import comm, engine, mixed_precision
 from zerolab.engine import OwnedGrads, cast_floats, check_same_model
 from zerolab.shard_optim import master_dtype
-from zerolab.units import default_units
+from zerolab.units import assign_params, module_name
 from zerolab.zero3 import register_pre_backward
 
 DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -135,7 +137,7 @@ class FullyShardedModule(nn.Module):
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reduce_impl = engine.default_reduce_impl(group)
-        owners, self.replicated, frozen = _assign(module, units)
+        owners, self.replicated, frozen = assign_params(module, units)
         stray = {id(p) for p in self.replicated if p.dim() > 0 and param_dtype not in (None, p.dtype)}
         if stray:                                # they would compute in their dtype, the rest in param_dtype
             names = [n for n, p in module.named_parameters() if id(p) in stray]
@@ -145,13 +147,13 @@ class FullyShardedModule(nn.Module):
         for unit_module, params in owners.items():
             dtypes = {p.dtype for p, _ in params}
             if param_dtype is None and len(dtypes) > 1:
-                raise ValueError(f"unit {_name(module, unit_module)!r} has parameters of several dtypes "
-                                 f"{sorted(map(str, dtypes))}: pass param_dtype, or split the unit")
+                raise ValueError(f"unit {module_name(module, unit_module)!r} has parameters of several "
+                                 f"dtypes {sorted(map(str, dtypes))}: pass param_dtype, or split the unit")
             dtype = param_dtype or params[0][0].dtype
             sharded = [_Sharded(p, where, self.rank, self.world_size, dtype) for p, where in params]
             for s in sharded:
                 s.install(s.shard)                                     # at rest: the shards
-            self.units.append(_Unit(_name(module, unit_module), unit_module, sharded))
+            self.units.append(_Unit(module_name(module, unit_module), unit_module, sharded))
         with torch.no_grad():
             for t in frozen + list(module.buffers()):
                 if param_dtype is not None and t.is_floating_point():
@@ -354,47 +356,6 @@ class FullyShardedModule(nn.Module):
                 per = s.shard.element_size() + (s.shard.grad.element_size() if s.shard.grad is not None else 0)
                 total += pad_rows * s.row_numel * per
         return total
-
-
-def _name(model, module):
-    return next((n or "root" for n, m in model.named_modules() if m is module), type(module).__name__)
-
-
-def _assign(model, units):
-    """({unit module: [(param, [(module, name)])]}, replicated trainable params, frozen params).
-    A parameter goes to the innermost unit that contains every module using it."""
-    modules = default_units(model) + [model] if units is None else list(units)
-    within = {id(m): {id(x) for x in m.modules()} for m in modules}
-    all_modules = {id(m) for m in model.modules()}
-    for m in modules:
-        if not isinstance(m, nn.Module) or id(m) not in all_modules:
-            raise ValueError(f"units must be the model or its submodules, got {type(m).__name__}")
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-            raise ValueError(f"unit {_name(model, m)!r} is a {type(m).__name__}: its forward never runs; "
-                             f"list its members instead")
-    where = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                where.setdefault(id(p), (p, []))[1].append((module, name))
-    owners, replicated, frozen = {m: [] for m in modules}, [], []
-    for p, uses in where.values():
-        if not p.requires_grad:
-            frozen.append(p)
-            continue
-        holding = [m for m in modules if all(id(mod) in within[id(m)] for mod, _ in uses)]
-        if not holding:
-            inside = [m for m in modules if any(id(mod) in within[id(m)] for mod, _ in uses)]
-            if inside:
-                names = sorted({_name(model, mod) for mod, _ in uses})
-                raise ValueError(f"a parameter is used by {names}, which no single unit holds: put them in "
-                                 f"one unit, or add a module holding all of them (e.g. the model) to units")
-            replicated.append(p)                               # in no unit: stays whole
-        elif p.dim() == 0:
-            replicated.append(p)                               # no dim 0 to cut
-        else:
-            owners[min(holding, key=lambda m: len(within[id(m)]))].append((p, uses))
-    return {m: ps for m, ps in owners.items() if ps}, replicated, frozen
 
 
 def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, reshard_after_forward=True,
