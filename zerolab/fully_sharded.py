@@ -33,11 +33,13 @@ itself included to shard what no inner unit holds (the *root*); default each of 
 
 The root is gathered once per step and kept until its gradients are complete (as FSDP2's root).
 No prefetch: each all-gather starts when its unit is about to run (FSDP2 overlaps them on CUDA
-streams; zerolab's stage-3 engine prefetches one unit ahead). Trainable
-parameters in no unit (and 0-dim ones) stay whole: their gradients are all-reduced (averaged) at
-the end of backward, identical on every rank. Frozen parameters and floating buffers stay whole,
-cast to ``param_dtype``. A weight tied across units belongs to the smallest unit holding all of
-its uses (TinyGPT's embedding and head: the root); if none does, ValueError.
+streams; zerolab's stage-3 engine prefetches one unit ahead). One dtype per unit's all-gather:
+``param_dtype``, or the parameters' own if they share one (FSDP2 also gathers mixed dtypes, as
+bytes). Trainable parameters in no unit (and 0-dim ones) stay whole: their gradients are
+all-reduced (averaged) at the end of backward, identical on every rank. Frozen parameters and
+floating buffers stay whole, cast to ``param_dtype``. A weight tied across units belongs to the
+smallest unit holding all of its uses (TinyGPT's embedding and head: the root); if none does,
+ValueError (:func:`zerolab.units.assign_params`).
 """
 import torch
 import torch.distributed as dist
