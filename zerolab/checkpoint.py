@@ -159,6 +159,7 @@ def save(engine, path, *, client_state=None):
         "format": FORMAT, "version": VERSION, "zerolab": __version__, "torch": torch.__version__,
         "saved": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "stage": engine.stage, "world_size": n, "offload": engine.offload, "steps": engine.steps,
+        "loss_scale": None if engine.scaler is None else engine.scaler.state_dict(),
         "param_dtype": None if engine.param_dtype is None else str(engine.param_dtype),
         "optimizer": engine.optimizer_class.__name__,
         "params": {first[id(p)]: {"shape": list(p.shape), "dtype": str(p.dtype)}
@@ -300,6 +301,8 @@ def load(engine, path):
         for name, value in rank0["buffers"].items():
             buffers[name].copy_(value)
     engine.steps = meta["steps"]
+    if engine.scaler is not None and meta.get("loss_scale"):
+        engine.scaler.load_state_dict(meta["loss_scale"])             # the scale goes on where it was
     return rank0["client_state"]
 
 

@@ -51,15 +51,22 @@ def broadcast_module(module, src=0, group=None):
                 t.copy_(part.view_as(t))
 
 
-def allreduce_gradients(params, group=None):
+def allreduce_gradients(params, group=None, reduce_dtype=None):
     """NAIVE gradient averaging: for each trainable parameter (tied weights once, frozen ones
-    skipped) one blocking all-reduce of its gradient, then divide by N."""
-    n = dist.get_world_size(group)
+    skipped) one blocking all-reduce of its gradient, then divide by N. ``reduce_dtype``: reduce a
+    copy in that dtype (e.g. fp32 for bf16 gradients), p.grad gets the mean rounded back. Returns
+    {id(p): the mean in the reduce dtype} (p.grad itself when no copy was made)."""
+    n, out = dist.get_world_size(group), {}
     for p in unique_trainable(params):
         if p.grad is None:            # unused in this step on this rank: it contributes zero
             p.grad = torch.zeros_like(p)
-        comm.all_reduce(p.grad, group=group)   # sum over ranks: 2(N-1)/N x bytes sent
-        p.grad.div_(n)                          # ... and the sum becomes the mean
+        g = p.grad if reduce_dtype in (None, p.grad.dtype) else p.grad.to(reduce_dtype)
+        comm.all_reduce(g, group=group)         # sum over ranks: 2(N-1)/N x bytes sent
+        g.div_(n)                               # ... and the sum becomes the mean
+        if g is not p.grad:
+            p.grad.copy_(g)
+        out[id(p)] = g
+    return out
 
 
 def assign_buckets(params, bucket_bytes):
@@ -82,7 +89,8 @@ def assign_buckets(params, bucket_bytes):
 
 
 class Bucket:
-    """One flat gradient buffer; ``views[i]`` is ``params[i]``'s gradient inside it."""
+    """One flat gradient buffer; ``views[i]`` is ``params[i]``'s gradient inside it. ``reduced``:
+    the buffer that was all-reduced, when it is a copy in another dtype (``reduce_dtype``)."""
 
     def __init__(self, index, params):
         self.index, self.params = index, params
@@ -90,6 +98,7 @@ class Bucket:
                                   device=params[0].device)
         self.views = list(v.view_as(p) for v, p in
                           zip(self.buffer.split([p.numel() for p in params]), params))
+        self.reduced = None
 
     @property
     def nbytes(self):
@@ -117,8 +126,8 @@ class BucketedGradSync:
     flight it would race with the network, so we raise instead of averaging the wrong numbers.
     """
 
-    def __init__(self, module, *, bucket_bytes, group=None):
-        self.group = group
+    def __init__(self, module, *, bucket_bytes, group=None, reduce_dtype=None):
+        self.group, self.reduce_dtype = group, reduce_dtype
         self.world_size = dist.get_world_size(group)
         self.names = {id(p): n for n, p in module.named_parameters()}
         params = unique_trainable(module.parameters())
@@ -173,10 +182,14 @@ class BucketedGradSync:
     def _launch(self, bucket):
         for p in bucket.params:
             self._bind(p, zero_if_missing=True)
+        # reduce_dtype (e.g. fp32 for bf16 gradients): all-reduce a copy in it (2x the bytes)
+        send = bucket.buffer
+        if self.reduce_dtype not in (None, send.dtype):
+            send = bucket.reduced = send.to(self.reduce_dtype)
         # Divide first, then sum: Σ_r g_r/N is the mean, and fp16 sums cannot overflow
         # (torch DDP's default comm hook does the same).
-        bucket.buffer.div_(self.world_size)
-        work = comm.all_reduce(bucket.buffer, group=self.group, async_op=True, tag=f"bucket {bucket.index}")
+        send.div_(self.world_size)
+        work = comm.all_reduce(send, group=self.group, async_op=True, tag=f"bucket {bucket.index}")
         self._inflight.append(work)
         self._next += 1
 
@@ -189,11 +202,24 @@ class BucketedGradSync:
             self._launch(self.buckets[self._next])
         for work in self._inflight:
             work.wait()
+        for b in self.buckets:
+            if b.reduced is not None:
+                b.buffer.copy_(b.reduced)          # p.grad: the mean, rounded to the param's dtype
         self._new_round()
+
+    def reduced_grad(self, p):
+        """p's averaged gradient in the reduce dtype (a view; p.grad when they are the same)."""
+        b, view = self._slot[id(p)]
+        if b.reduced is None:
+            return p.grad
+        i = next(i for i, q in enumerate(b.params) if q is p)
+        off = sum(q.numel() for q in b.params[:i])
+        return b.reduced[off:off + p.numel()].view_as(p)
 
     def zero_grad(self):
         """Zero the buckets in place; gradients stay views (never None) for the next backward."""
         for b in self.buckets:
+            b.reduced = None
             b.buffer.zero_()
             for p, view in zip(b.params, b.views):
                 p.grad = view
@@ -219,7 +245,7 @@ class DataParallel(nn.Module):
     run the step inside ``with zerolab.comm.log(timeline=tl):``.
     """
 
-    def __init__(self, module, bucket_bytes=None, *, group=None, broadcast=True):
+    def __init__(self, module, bucket_bytes=None, *, group=None, broadcast=True, reduce_dtype=None):
         super().__init__()
         if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
             raise ValueError(f"bucket_bytes must be a positive int or None (naive), got {bucket_bytes!r}")
@@ -227,11 +253,13 @@ class DataParallel(nn.Module):
             raise ValueError("DataParallel needs a process group: use zerolab.launch / Cluster, or "
                              "zerolab.init_from_env() under torchrun")
         self.module, self.group, self.bucket_bytes = module, group, bucket_bytes
+        self.reduce_dtype = reduce_dtype
         if broadcast:
             broadcast_module(module, group=group)
-        self.sync = (BucketedGradSync(module, bucket_bytes=bucket_bytes, group=group)
+        self.sync = (BucketedGradSync(module, bucket_bytes=bucket_bytes, group=group, reduce_dtype=reduce_dtype)
                      if bucket_bytes is not None else None)
         self._sync_enabled = True
+        self._reduced = {}                 # naive sync: {id(p): mean in the reduce dtype}
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -257,7 +285,22 @@ class DataParallel(nn.Module):
         if self.sync is not None:
             self.sync.finish()
         else:
-            allreduce_gradients(self.module.parameters(), group=self.group)
+            self._reduced = allreduce_gradients(self.module.parameters(), group=self.group,
+                                                reduce_dtype=self.reduce_dtype)
+
+    def reduced_grad(self, p):
+        """p's averaged gradient in ``reduce_dtype`` (p.grad when that is p's dtype, or before the
+        first synchronisation): what a mixed-precision optimizer should read."""
+        if self.sync is not None:
+            return self.sync.reduced_grad(p)
+        return self._reduced.get(id(p), p.grad)
+
+    def reduced_copies(self):
+        """The reduce_dtype copies alive now (none when gradients are reduced in their own dtype)."""
+        if self.sync is not None:
+            return [b.reduced for b in self.sync.buckets if b.reduced is not None]
+        return [g for p in unique_trainable(self.module.parameters())
+                if (g := self._reduced.get(id(p))) is not None and g is not p.grad]
 
     def zero_grad(self, set_to_none=True):
         """Bucketed: zero the buckets in place (grads stay bucket views, whatever set_to_none
@@ -265,4 +308,5 @@ class DataParallel(nn.Module):
         if self.sync is not None:
             self.sync.zero_grad()
         else:
+            self._reduced = {}
             super().zero_grad(set_to_none=set_to_none)

@@ -17,6 +17,13 @@ from a static table. Every engine has the same surface, modelled on DeepSpeed's 
     engine.last_step_comm        # zerolab.comm.CommLog of the last step
     engine.timeline = Timeline() # record compute and communication spans of the next steps
 
+Mixed precision, at every stage (:mod:`zerolab.mixed_precision`): ``loss_scale`` ("dynamic": fp16's
+loss scaling, ``torch.amp.GradScaler``'s rule; a step is skipped on EVERY rank when any rank's
+gradient shard overflowed), ``reduce_dtype`` (the dtype gradients are reduced in; default the
+compute dtype, as FSDP2's ``MixedPrecisionPolicy``) and ``engine.clip_grad_norm_(max_norm)`` (the
+global norm from each rank's shard). These options are declared once, in :attr:`Engine.OPTIONS`;
+each stage adds its own (``Zero3Engine.OPTIONS``), merged by :func:`engine_options`.
+
 Checkpoints (:mod:`zerolab.checkpoint`) use only the public methods :meth:`Engine.quiesce`,
 :meth:`Engine.param_slots` and :meth:`Engine.reload_from_masters`, so a new stage that provides them
 saves and loads without touching the checkpoint code.
@@ -26,19 +33,22 @@ import inspect
 import math
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from zerolab import activations, checkpoint, comm
+from zerolab import activations, checkpoint, comm, mixed_precision
 from zerolab.flat import unique_trainable
 from zerolab.launch import rank_device
 from zerolab.memory import storage_bytes_by_kind
+from zerolab.mixed_precision import LossScaler
 from zerolab.ring import ring_reduce_scatter
 from zerolab.shard_optim import ShardOptimizer, master_dtype
 
 REDUCE_IMPLS = ("torch", "ring")
 PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+REDUCE_DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # Optimizers whose update is elementwise, so that running it on a flat shard of the parameters is
 # the same math as running it on the whole parameters (what ZeRO's partitioning relies on).
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -65,6 +75,30 @@ def is_count(v):
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def is_loss_scale(v):
+    return (v is None or isinstance(v, LossScaler) or (isinstance(v, str) and v == "dynamic")
+            or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0))
+
+
+def make_scaler(loss_scale, group=None):
+    """The engine's :class:`LossScaler` for its ``loss_scale`` option: None (no scaling), "dynamic"
+    (GradScaler's defaults), a number (a static scale), or a LossScaler you configured."""
+    if loss_scale is None or isinstance(loss_scale, LossScaler):
+        return loss_scale
+    if loss_scale == "dynamic":
+        return LossScaler(group=group)
+    return LossScaler(float(loss_scale), dynamic=False, group=group)
+
+
+def engine_options(engine_class):
+    """{name: Option} of ``engine_class``: every engine's (:attr:`Engine.OPTIONS`) and those its
+    classes add (e.g. ``Zero3Engine.OPTIONS``), base classes first."""
+    options = {}
+    for cls in reversed(engine_class.__mro__):
+        options.update(vars(cls).get("OPTIONS", {}))
+    return options
+
+
 def _optimizer_arguments(optimizer_class):
     """The keyword arguments ``optimizer_class.__init__`` accepts besides params (and lr)."""
     sig = inspect.signature(optimizer_class.__init__)
@@ -77,7 +111,7 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
     in) and the optimizer's arguments. Raises ValueError naming an unknown or bad option and the
     valid ones. ``others``: [(label, engine class)] of the other engines, to say where an option of
     another stage belongs."""
-    specs = engine_class.options()
+    specs = engine_options(engine_class)
     options = {name: spec.default for name, spec in specs.items()}
     opt_kwargs, accepted = {}, _optimizer_arguments(optimizer_class)
     for name, value in kwargs.items():
@@ -89,7 +123,7 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
         elif name in accepted:
             opt_kwargs[name] = value
         else:
-            owners = sorted({label for label, cls in others if name in cls.options()})
+            owners = sorted({label for label, cls in others if name in engine_options(cls)})
             where = f"; it is an option of {', '.join(owners)}" if owners else ""
             raise ValueError(f"unknown option {name!r} for {engine_class.label()}{where}. Valid: the engine's "
                              f"options {sorted(specs) or '(none)'} and {optimizer_class.__name__}'s "
@@ -202,16 +236,30 @@ class Slot:
     replicated: bool = False
 
 
+class OwnedGrads(NamedTuple):
+    """The gradients this rank's optimizer step reads, after backward: ``sharded`` (this rank's
+    shards: every element of the model's gradient is in exactly one rank's list, padding zeros
+    aside) and ``replicated`` (whole, identical on every rank: stage 0's averaged gradients)."""
+    sharded: list
+    replicated: list
+
+
 class Engine:
     """What every stage provides. Subclasses implement ``_backward``, ``_step``, ``zero_grad``,
-    ``no_sync``, ``state_tensors``, ``_full_params``, ``param_slots`` and ``reload_from_masters``, and
-    set ``self.optimizer`` (a torch optimizer over what this rank steps)."""
+    ``no_sync``, ``state_tensors``, ``_full_params``, ``param_slots``, ``reload_from_masters`` and
+    ``owned_grads``, and set ``self.optimizer`` (a torch optimizer over what this rank steps). Their
+    ``_step`` multiplies the gradients by ``self.inv_scale`` where they become the master's dtype."""
 
     stage = None
     offloaded = False             # True for the ZeRO-Offload engines (zerolab.offload)
-    # Keywords of initialize: {name: Option}. Every engine has these; each class adds its own
-    # (merged along the class hierarchy by options(), checked by split_options).
-    OPTIONS = {"activation_checkpointing": Option(
+    # Keywords of initialize that every engine takes (merged with each class's own OPTIONS by
+    # engine_options, checked once by split_options).
+    OPTIONS = {"loss_scale": Option(None, "None, 'dynamic' (torch.amp.GradScaler's defaults), a positive "
+                                          "number (a static scale) or a zerolab.mixed_precision.LossScaler",
+                                    is_loss_scale),
+               "reduce_dtype": Option(None, "None (the compute dtype), torch.float32, torch.bfloat16, "
+                                            "torch.float16 or torch.float64", lambda v: v in REDUCE_DTYPES),
+               "activation_checkpointing": Option(
                    None, f"one of {activations.MODES}: recompute each block ('full') or each block's core "
                    f"attention ('selective') in backward instead of keeping its activations (lesson 10)",
                    lambda v: v in activations.MODES),
@@ -221,7 +269,8 @@ class Engine:
     host_kinds = ()               # kinds of state that live on the host (offload engines)
 
     def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, bucket_bytes, reduce_impl=None,
-                 group=None, activation_checkpointing=None, checkpoint_units=None):
+                 group=None, loss_scale=None, reduce_dtype=None, activation_checkpointing=None,
+                 checkpoint_units=None):
         self.module = module
         self.optimizer_class = optimizer
         self.opt_kwargs = dict(opt_kwargs)
@@ -236,15 +285,13 @@ class Engine:
         self.steps = 0                # optimizer steps taken (saved and restored by checkpoints)
         self.optimizer = None
         self._region = None
+        self.scaler = make_scaler(loss_scale, group)    # None, or fp16's loss scale (mixed_precision)
+        self.reduce_dtype = reduce_dtype                # None here: the stage fills in its compute dtype
+        self.last_step_skipped = False
         # Activation checkpointing (lesson 10): the modules whose forward is recomputed in backward.
         self.activation_checkpointing = activation_checkpointing
         self.checkpointed = activations.apply_checkpointing(module, activation_checkpointing, checkpoint_units)
         self._activations = {}        # {device type: bytes} saved by the last forward
-
-    @classmethod
-    def options(cls):
-        """{name: Option} of every keyword this engine accepts: Engine's, then each subclass's."""
-        return {name: spec for c in reversed(cls.__mro__) for name, spec in vars(c).get("OPTIONS", {}).items()}
 
     @classmethod
     def label(cls):
@@ -287,14 +334,43 @@ class Engine:
             return self.module(*args, **kwargs)
 
     def backward(self, loss):
+        """Gradients of ``loss`` (times the loss scale, if any: backward is linear, so every gradient
+        carries the scale, lifting fp16's small gradients above underflow)."""
         self._open_step_log()
-        self._backward(loss)
+        self._backward(loss if self.scaler is None else self.scaler.scale(loss))
 
     def step(self):
+        """One optimizer step on what this rank owns. With a loss scale: skipped on EVERY rank if any
+        rank's gradients hold an inf or NaN (each rank checks its own shard, one all-reduce of a
+        flag), and the scale updated as torch.amp.GradScaler does (``self.scaler``)."""
         self._open_step_log()
-        self._step()
-        self.steps += 1
+        overflow = False
+        if self.scaler is not None:
+            grads = self.owned_grads()
+            overflow = mixed_precision.found_inf(grads.sharded + grads.replicated, self.group)
+        if not overflow:
+            self._step()                  # unscales by self.inv_scale where grads meet the master
+            self.steps += 1
+        if self.scaler is not None:
+            self.scaler.update(overflow)  # overflow: scale x 0.5; growth_interval good steps: x 2
+        self.last_step_skipped = overflow
         self._close_step_log()
+
+    @property
+    def inv_scale(self):
+        """What ``_step`` multiplies the gradients by as they become the master's dtype (fp32): 1 /
+        loss scale, or 1. In fp32, not in place in fp16, where grad / 2**16 would underflow."""
+        return 1.0 if self.scaler is None else self.scaler.inv_scale
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """``torch.nn.utils.clip_grad_norm_`` for this engine, between ``backward`` and ``step``:
+        the norm of the whole (averaged, unscaled) gradient from what each rank owns, one all-reduce
+        of a float64 scalar, and this rank's gradients scaled by min(1, max_norm / (norm + 1e-6)).
+        Returns the norm (float64 0-dim tensor, equal on every rank). A collective."""
+        grads = self.owned_grads()
+        return mixed_precision.clip_grad_norm_(
+            grads.sharded, grads.replicated, max_norm, norm_type=norm_type, group=self.group,
+            grad_scale=1.0 if self.scaler is None else self.scaler.scale_value)
 
     # -- what every stage provides -----------------------------------------------------------
     def _backward(self, loss):
@@ -304,6 +380,11 @@ class Engine:
         raise NotImplementedError
 
     def zero_grad(self):
+        raise NotImplementedError
+
+    def owned_grads(self):
+        """:class:`OwnedGrads`: what this rank's step reads, after backward (a view, not a copy:
+        clipping scales them in place)."""
         raise NotImplementedError
 
     def no_sync(self):
@@ -416,6 +497,7 @@ class ShardedEngine(Engine):
             raise ValueError(f"trainable parameters have several dtypes {sorted(map(str, dtypes))}: "
                              f"pass param_dtype to train them in one")
         self.compute_dtype = self.param_dtype or self.trainable[0].dtype
+        self.reduce_dtype = self.reduce_dtype or self.compute_dtype    # gradients are reduced in it
         with torch.no_grad():
             for t in self.frozen + list(self.module.buffers()):
                 if t.is_floating_point():

@@ -111,6 +111,28 @@ def model_states(model, optimizer=None):
     return storage_bytes_by_kind({"params": params, "grads": grads, "optimizer": extra + state})
 
 
+def live_tensor_bytes():
+    """A census: bytes of EVERY tensor alive in this process, {device type: bytes}, each storage
+    once (found through the garbage collector, after a collection). It knows nothing of the code
+    that made them, so it measures what a library really keeps, whatever its own accounting says
+    (wrapper subclasses such as FSDP2's DTensor are counted through the local tensor they hold).
+    It counts your own tensors too (a batch, a loss): drop them first."""
+    import gc
+    gc.collect()
+    seen, out = set(), {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor) or obj.device.type == "meta":   # type(): no __class__ tricks
+            continue
+        try:
+            key, nbytes, device = _storage_key(obj)
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue                      # a wrapper subclass without storage of its own
+        if nbytes and key not in seen:
+            seen.add(key)
+            out[device] = out.get(device, 0) + nbytes
+    return out
+
+
 def _layers(model):
     """The top-level layers: direct children, with ModuleList / ModuleDict opened up (their own
     forward is never called; their members are the layers, e.g. ``blocks.0``, ``blocks.1``)."""

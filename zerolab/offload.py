@@ -74,13 +74,16 @@ class HostOptimizer(ShardOptimizer):
     exact fp32 initial values (a host fp32 tensor is adopted without a copy). ``self.grads``: the host
     gradient shard(s), views into ``grad_flat``; ``bytes_to_host`` / ``bytes_to_device``: what crossed.
 
+    ``grad_dtype``: the host gradient shard's dtype (default the shards'; the engines pass their
+    ``reduce_dtype``, so an fp32-reduced gradient is not rounded on its way to the host).
+
     Delayed parameter update (``delayed = True``; paper Sec. 5.2): :meth:`step` starts the host
     update in a background thread and returns; the device runs the NEXT forward/backward on the
     parameters it has; the result goes up at the next step. So p_t = p_{t-1} - u(g_t(p_{t-2})):
     each gradient is taken one update behind (the paper turns DPU on after a warm-up of normal steps).
     """
 
-    def __init__(self, shards, optimizer_class, *, init=None, fused=None, **opt_kwargs):
+    def __init__(self, shards, optimizer_class, *, init=None, fused=None, grad_dtype=None, **opt_kwargs):
         self.shards = [shards] if torch.is_tensor(shards) else list(shards)
         init = [None] * len(self.shards) if init is None else list(init)
         if not self.shards or any(s.dim() != 1 for s in self.shards) or len({s.dtype for s in self.shards}) != 1 \
@@ -96,7 +99,7 @@ class HostOptimizer(ShardOptimizer):
                 self.master.append((shard if start is None else start).detach().to(HOST, dtype, copy=True))
         self.optimizer, self.fused = host_optimizer(self.master, optimizer_class, fused=fused, **opt_kwargs)
         sizes = [s.numel() for s in self.shards]
-        self.grad_flat = host_buffer(sum(sizes), self.shards[0].dtype, like=self.shards[0])
+        self.grad_flat = host_buffer(sum(sizes), grad_dtype or self.shards[0].dtype, like=self.shards[0])
         self.grads = list(self.grad_flat.split(sizes))          # the host gradient shard(s)
         self.workspace = None                                   # fp32 gradient for the optimizer
         self._fresh = [True] * len(self.shards)                 # no gradient arrived since zero_grad
@@ -144,10 +147,10 @@ class HostOptimizer(ShardOptimizer):
 
     # -- the host update ---------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, grads=None):
+    def step(self, grads=None, *, inv_scale=1.0):
         """One update. ``grads``: the device gradient shard(s), sent to the host first (stage 1);
         entries that are already ``self.grads`` (stage 2 sent them during backward), or None, are
-        used as they are."""
+        used as they are. ``inv_scale``: the fp32 gradient is multiplied by it (1 / loss scale)."""
         grads = [] if grads is None else [grads] if torch.is_tensor(grads) else list(grads)
         if grads and [g.shape for g in grads] != [s.shape for s in self.shards]:
             raise ValueError(f"HostOptimizer.step: gradient shapes {[tuple(g.shape) for g in grads]} "
@@ -160,6 +163,8 @@ class HostOptimizer(ShardOptimizer):
         self.wait()                                           # DPU: the previous update is done
         for i, (m, g) in enumerate(zip(self.master, self.grads)):
             m.grad = self._fp32(i, g)
+            if inv_scale != 1.0:
+                m.grad.mul_(inv_scale)                        # the loss scale out, in fp32, on the host
         self._unread = False
         if self._unsent:                                      # DPU: the previous update's result goes up
             self.write_back()
@@ -217,8 +222,8 @@ class HostOptimizer(ShardOptimizer):
         for m, shard, staging in zip(self.master, self.shards, self.grads):
             if shard.device == HOST:
                 shard.copy_(m)                                 # one memory: cast in place
-            elif self._unread:                                 # gradients wait in the staging buffer
-                shard.copy_(m)                                 # (a checkpoint load): a blocking copy
+            elif self._unread or staging.dtype != shard.dtype:  # gradients wait in the staging buffer
+                shard.copy_(m)                                 # (a checkpoint load), or it is fp32: blocking
             else:
                 staging.copy_(m)                               # cast on the host, into pinned memory,
                 shard.copy_(staging, non_blocking=True)        # then async H2D before the all-gather
@@ -256,7 +261,13 @@ class _Offload:
     host_kinds = ("master", "optimizer", "host_grads", "workspace")
 
     def _make_shard_optimizer(self, shards, init):
-        return HostOptimizer(shards, self.optimizer_class, init=init, **self.opt_kwargs)
+        return HostOptimizer(shards, self.optimizer_class, init=init, grad_dtype=self.reduce_dtype,
+                             **self.opt_kwargs)
+
+    def owned_grads(self):
+        for h in self.host_optimizers():
+            h._landed()                   # the host gradient shards are complete (CUDA: copies done)
+        return super().owned_grads()
 
     def host_optimizers(self):
         return list(dict.fromkeys(so for _, so, _ in self.shards()))

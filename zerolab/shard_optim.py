@@ -64,10 +64,11 @@ class ShardOptimizer:
         return self.master[i] is self.shards[i]
 
     @torch.no_grad()
-    def step(self, grads):
+    def step(self, grads, *, inv_scale=1.0):
         """One optimizer step from this rank's gradient shard(s), laid out like ``shards`` (any
         dtype/device: they are upcast to fp32 where the master lives), then write the new values
-        back into the shards in the compute dtype."""
+        back into the shards in the compute dtype. ``inv_scale``: multiply the fp32 gradient by it
+        first (1 / loss scale: fp16 training; in fp32, where a small gradient cannot underflow)."""
         grads = [grads] if torch.is_tensor(grads) else list(grads)
         if len(grads) != len(self.master):
             raise ValueError(f"ShardOptimizer.step: {len(grads)} gradient shards for {len(self.master)} shards")
@@ -76,6 +77,8 @@ class ShardOptimizer:
                 raise ValueError(f"ShardOptimizer.step: gradient shard of shape {tuple(g.shape)} for a "
                                  f"master shard of shape {tuple(m.shape)}")
             m.grad = g.to(m.device, m.dtype)  # no copy when already fp32 and in place
+            if inv_scale != 1.0:
+                m.grad.mul_(inv_scale)        # the loss scale out (in place: the shard is consumed)
         with comm.span("optimizer step", "optimizer"):
             self.optimizer.step()
         for m in self.master:

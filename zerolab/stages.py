@@ -53,12 +53,14 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
     ``offload='optimizer'`` keeps the fp32 master, moments and gradient shard on the host
     (ZeRO-Offload; stages 1-3). ``bucket_bytes``: gradient bucket size for communication (stages 0
     and 2). ``reduce_impl``: the reduce-scatter of stages 1-3, 'ring' (lesson 00's, from send/recv) or
-    'torch'; default: torch's on NCCL, the ring on gloo. ``activation_checkpointing='full'`` or
-    ``'selective'`` (every stage): recompute each block, or each block's core attention, in backward
-    (``checkpoint_units=[...]``: the modules to recompute, for models other than TinyGPT; lesson 10).
-    Stage-specific options (stage 3: ``units``, ``prefetch``, ``persist_numel``, ``ops``) are keywords
-    too. Raises ValueError naming any bad or unknown value and the valid ones. Every rank must call it
-    with the same model (checked).
+    'torch'; default: torch's on NCCL, the ring on gloo. Every stage also takes ``loss_scale`` (None,
+    "dynamic" or a number: fp16 loss scaling, GradScaler's rule) and ``reduce_dtype`` (the dtype
+    gradients are reduced in; default the compute dtype; see :mod:`zerolab.mixed_precision`), and
+    ``activation_checkpointing='full'`` or ``'selective'``: recompute each block, or each block's core
+    attention, in backward (``checkpoint_units=[...]``: the modules to recompute, for models other
+    than TinyGPT; lesson 10). Stage-specific options (stage 3: ``units``, ``prefetch``,
+    ``persist_numel``, ``ops``) are keywords too. Raises ValueError naming any bad or unknown value and
+    the valid ones. Every rank must call it with the same model (checked).
     """
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r} is not supported: choose one of {STAGES}")

@@ -4,8 +4,11 @@ whose storage exists only while the unit is gathered; this rank keeps only its 1
 
 FSDP2 calls a unit what ``fully_shard`` is applied to; DeepSpeed gathers per submodule, with
 ``stage3_param_persistence_threshold`` keeping small ones whole (``persist_numel`` here).
+:func:`assign_params` cuts a model into units of separate parameters instead, for
+:func:`zerolab.fully_shard` (FSDP2's per-parameter layout).
 """
 import torch
+import torch.nn as nn
 
 from zerolab.flat import FlatParams
 
@@ -79,3 +82,49 @@ def build_units(model, units, trainable, *, world_size, rank, dtype, persist_num
                  resident=m is None or sum(p.numel() for p in ps) <= persist_numel,
                  keep=sum(p.numel() for p in ps) <= persist_numel)
             for i, (name, m, ps) in enumerate(chosen)]
+
+
+def module_name(model, module):
+    """``module``'s name in ``model`` ('root' for the model itself)."""
+    return next((n or "root" for n, m in model.named_modules() if m is module), type(module).__name__)
+
+
+def assign_params(model, units):
+    """Per-parameter units (:func:`zerolab.fully_shard`, FSDP2's rule): ``units`` are the modules
+    gathered one at a time, the model itself among them for the root (default: :func:`default_units`
+    and the model). Each trainable parameter goes to the SMALLEST unit holding every module that
+    uses it (a tied embedding and head: the one holding both); one used across units that no unit
+    holds whole is refused (ValueError). Returns ({unit module: [(param, [(module, name) using it])]},
+    trainable parameters in no unit or 0-dim (they stay whole), frozen parameters)."""
+    modules = default_units(model) + [model] if units is None else list(units)
+    within = {id(m): {id(x) for x in m.modules()} for m in modules}
+    all_modules = {id(m) for m in model.modules()}
+    for m in modules:
+        if not isinstance(m, nn.Module) or id(m) not in all_modules:
+            raise ValueError(f"units must be the model or its submodules, got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(f"unit {module_name(model, m)!r} is a {type(m).__name__}: its forward never runs; "
+                             f"list its members instead")
+    where = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), (p, []))[1].append((module, name))
+    owners, replicated, frozen = {m: [] for m in modules}, [], []
+    for p, uses in where.values():
+        if not p.requires_grad:
+            frozen.append(p)
+            continue
+        holding = [m for m in modules if all(id(mod) in within[id(m)] for mod, _ in uses)]
+        if not holding:
+            inside = [m for m in modules if any(id(mod) in within[id(m)] for mod, _ in uses)]
+            if inside:
+                names = sorted({module_name(model, mod) for mod, _ in uses})
+                raise ValueError(f"a parameter is used by {names}, which no single unit holds: put them in "
+                                 f"one unit, or add a module holding all of them (e.g. the model) to units")
+            replicated.append(p)                               # in no unit: stays whole
+        elif p.dim() == 0:
+            replicated.append(p)                               # no dim 0 to cut
+        else:
+            owners[min(holding, key=lambda m: len(within[id(m)]))].append((p, uses))
+    return {m: ps for m, ps in owners.items() if ps}, replicated, frozen

@@ -14,7 +14,7 @@ import torch
 
 from zerolab import comm
 from zerolab.data_parallel import DataParallel, broadcast_module
-from zerolab.engine import Engine, Slot, cast_floats
+from zerolab.engine import Engine, OwnedGrads, Slot, cast_floats
 from zerolab.flat import unique_trainable
 from zerolab.shard_optim import master_dtype
 
@@ -29,6 +29,7 @@ class DataParallelEngine(Engine):
         broadcast_module(module, group=self.group)      # every rank starts from rank 0's weights
         self.trainable = unique_trainable(module.parameters())
         dtype = self.param_dtype or self.trainable[0].dtype
+        self.reduce_dtype = self.reduce_dtype or dtype     # gradients are all-reduced in it
         self.masters = None
         if master_dtype(dtype) != dtype:
             # Mixed precision: fp32 master weights (4Ψ) taken BEFORE the cast, so nothing is lost;
@@ -36,7 +37,8 @@ class DataParallelEngine(Engine):
             self.masters = [p.detach().to(master_dtype(dtype)).clone() for p in self.trainable]
         if self.param_dtype is not None:
             module.to(self.param_dtype)
-        self.ddp = DataParallel(module, bucket_bytes=self.bucket_bytes, group=self.group, broadcast=False)
+        self.ddp = DataParallel(module, bucket_bytes=self.bucket_bytes, group=self.group, broadcast=False,
+                                reduce_dtype=self.reduce_dtype)
         self.optimizer = self.optimizer_class(self.masters or self.trainable, **self.opt_kwargs)
 
     def forward(self, *args, **kwargs):
@@ -52,9 +54,12 @@ class DataParallelEngine(Engine):
 
     def _step(self):
         with comm.span("optimizer step", "optimizer"):
-            if self.masters is not None:
-                for m, p in zip(self.masters, self.trainable):
-                    m.grad = None if p.grad is None else p.grad.to(m.dtype)   # transient 4Ψ
+            for m, p in zip(self.masters or self.trainable, self.trainable):
+                if m is not p:                     # mixed precision: the fp32 master reads the mean
+                    g = self._step_grad(p)
+                    m.grad = None if g is None else g.to(m.dtype)   # transient 4Ψ
+                if m.grad is not None and self.inv_scale != 1.0:
+                    m.grad.mul_(self.inv_scale)    # loss scale out, in the master's dtype
             self.optimizer.step()
             if self.masters is not None:
                 for m in self.masters:
@@ -66,6 +71,15 @@ class DataParallelEngine(Engine):
 
     def no_sync(self):
         return self.ddp.no_sync()
+
+    def _step_grad(self, p):
+        """The averaged gradient the step reads for p: in the reduce dtype for an fp32 master (e.g.
+        fp32 when bf16 gradients were reduced in fp32), else p.grad."""
+        return self.ddp.reduced_grad(p) if self.masters is not None else p.grad
+
+    def owned_grads(self):
+        # every rank holds the whole averaged gradient: replicated, counted once by clipping
+        return OwnedGrads([], [g for g in map(self._step_grad, self.trainable) if g is not None])
 
     def _full_params(self):
         return {id(p): m.detach().clone() for p, m in zip(self.trainable, self.masters or self.trainable)}
@@ -86,6 +100,7 @@ class DataParallelEngine(Engine):
         per-element optimizer state (Adam's 0-dim step counters are not per-parameter memory)."""
         grads = ([b.buffer for b in self.ddp.sync.buckets] if self.ddp.sync is not None
                  else [p.grad for p in self.trainable])
+        grads += self.ddp.reduced_copies()          # reduce_dtype copies, while they live
         opt = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         trainable = {id(p) for p in self.trainable}
         frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable]

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab import comm, engine
-from zerolab.engine import REDUCE_IMPLS, ShardedEngine, default_reduce_impl, gather_full
+from zerolab.engine import REDUCE_IMPLS, OwnedGrads, ShardedEngine, default_reduce_impl, gather_full
 from zerolab.flat import FlatParams, unique_trainable
 from zerolab.shard_optim import ShardOptimizer, master_dtype
 
@@ -38,22 +38,26 @@ class Zero1Optimizer(torch.optim.Optimizer):
     averaging identical gradients changes them only by rounding), steps this rank's shard, and all-gathers the
     parameters. ``param_dtype`` casts the parameters for compute (e.g. bf16) while the fp32 master
     starts from their exact current values. ``reduce_impl``: 'ring' or 'torch' (default: the
-    backend's best, :func:`zerolab.engine.default_reduce_impl`). ``make_shard_optimizer(shards, init,
+    backend's best, :func:`zerolab.engine.default_reduce_impl`). ``reduce_dtype``: reduce-scatter a
+    copy of the gradients in that dtype (e.g. fp32 for bf16 ones); the step reads this rank's shard
+    of it (default: the gradients' own dtype). ``make_shard_optimizer(shards, init,
     **hyper)`` builds each group's optimizer over its shard (default :class:`ShardOptimizer`; the
     offload engine puts master and moments on the host).
     """
 
     def __init__(self, params, optimizer_class, *, param_dtype=None, group=None, reduce_impl=None,
-                 make_shard_optimizer=None, **defaults):
+                 reduce_dtype=None, make_shard_optimizer=None, **defaults):
         if reduce_impl not in (None,) + REDUCE_IMPLS:
             raise ValueError(f"reduce_impl={reduce_impl!r} is not supported: None, 'torch' or 'ring'")
         self.optimizer_class, self.param_dtype, self.group = optimizer_class, param_dtype, group
+        self.reduce_dtype = reduce_dtype
         self.reduce_impl = reduce_impl or default_reduce_impl(group)
         self.make_shard_optimizer = make_shard_optimizer or (
             lambda shards, init, **hyper: ShardOptimizer(shards, optimizer_class, init=init, **hyper))
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.flats, self.grad_buffers, self.shard_optims = [], [], []  # one of each per param group
         self._reduced = False
+        self._grad_shards = []              # after reduce_gradients: this rank's averaged shards
         super().__init__(params, defaults)  # calls add_param_group for each group
 
     def add_param_group(self, param_group):
@@ -94,26 +98,38 @@ class Zero1Optimizer(torch.optim.Optimizer):
         if self._reduced:
             raise RuntimeError("gradients were already reduce-scattered since the last zero_grad(); "
                                "to accumulate micro-batches, run their backward() under no_sync()")
+        self._grad_shards = []
         for flat, grads, _ in self._groups():
             self._adopt_grads(flat, grads)
-            own = flat.shard(grads)  # in place: rank r's output is its own slice of the input
-            engine.reduce_scatter(own, grads, group=self.group, impl=self.reduce_impl, tag="grads")
+            send = grads if self.reduce_dtype in (None, grads.dtype) else grads.to(self.reduce_dtype)
+            own = flat.shard(send)   # in place: rank r's output is its own slice of the input
+            engine.reduce_scatter(own, send, group=self.group, impl=self.reduce_impl, tag="grads")
             own.div_(self.world_size)
+            # a copy in the reduce dtype: keep only this rank's shard of it, not the full buffer
+            self._grad_shards.append(own if send is grads else own.clone())
         self._reduced = True
 
+    def grad_shards(self):
+        """This rank's averaged gradient shard per param group (reduce-scattering first if that has
+        not happened since zero_grad): what :meth:`step` reads."""
+        if not self._reduced:
+            self.reduce_gradients()
+        return list(self._grad_shards)
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, inv_scale=1.0):
+        """Reduce-scatter (if not done yet), step this rank's shard, all-gather. ``inv_scale``: the
+        shard's fp32 gradient is multiplied by it first (1 / loss scale)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._reduced:
-            self.reduce_gradients()
+        grad_shards = self.grad_shards()
         for group, shard_optim in zip(self.param_groups, self.shard_optims):
             if shard_optim is not None:  # learning-rate schedules change self.param_groups
                 shard_optim.param_groups[0].update({k: v for k, v in group.items() if k != "params"})
-        for flat, grads, shard_optim in self._groups():
-            shard_optim.step(flat.shard(grads))             # local update of shard r only
+        for (flat, _, shard_optim), grad in zip(self._groups(), grad_shards):
+            shard_optim.step(grad, inv_scale=inv_scale)     # local update of shard r only
             comm.all_gather(flat.data, flat.shard(flat.data), group=self.group, tag="params")  # full params
         return loss
 
@@ -125,7 +141,7 @@ class Zero1Optimizer(torch.optim.Optimizer):
             grads.zero_()
             for p, view in zip(flat.params, flat.views(grads)):
                 p.grad = view
-        self._reduced = False
+        self._reduced, self._grad_shards = False, []
 
     def full_fp32(self):
         """Per param group, the full fp32 flat parameters (gathered from the master shards when
@@ -141,6 +157,8 @@ class Zero1Optimizer(torch.optim.Optimizer):
     def state_tensors(self):
         params = [f.data for f, _, _ in self._groups()]
         grads = [g for _, g, _ in self._groups()]
+        grads += [s for s, g in zip(self._grad_shards, grads)                # + reduce_dtype copies
+                  if s.untyped_storage().data_ptr() != g.untyped_storage().data_ptr()]
         shard = [s.state_tensors() for _, _, s in self._groups()]
         return {"params": params, "grads": grads,
                 "master": [t for s in shard for t in s["master"]],
@@ -148,9 +166,12 @@ class Zero1Optimizer(torch.optim.Optimizer):
 
     def padding_bytes(self):
         total = 0
-        for flat, grads, shard_optim in self._groups():
+        for i, (flat, grads, shard_optim) in enumerate(self._groups()):
             total += flat.padding * (flat.data.element_size() + grads.element_size())  # full buffers
             total += flat.shard_padding() * shard_optim.element_bytes(0)            # shard-sized ones
+            if i < len(self._grad_shards) and self._grad_shards[i].untyped_storage().data_ptr() \
+                    != grads.untyped_storage().data_ptr():                           # reduce_dtype copy
+                total += flat.shard_padding() * self._grad_shards[i].element_size()
         return total
 
 
@@ -166,7 +187,7 @@ class Zero1Engine(ShardedEngine):
         trainable = self._prepare()
         self.optimizer = Zero1Optimizer(
             trainable, self.optimizer_class, param_dtype=self.param_dtype, group=self.group,
-            reduce_impl=self.reduce_impl, **self.opt_kwargs,
+            reduce_impl=self.reduce_impl, reduce_dtype=self.reduce_dtype, **self.opt_kwargs,
             make_shard_optimizer=lambda shards, init, **hyper: self._make_shard_optimizer(shards, init))
 
     def _backward(self, loss):
@@ -176,7 +197,10 @@ class Zero1Engine(ShardedEngine):
             self.optimizer.reduce_gradients()  # shard r of the average -> rank r
 
     def _step(self):
-        self.optimizer.step()                 # local shard update, then all-gather of the params
+        self.optimizer.step(inv_scale=self.inv_scale)   # local shard update, then all-gather of the params
+
+    def owned_grads(self):
+        return OwnedGrads(self.optimizer.grad_shards(), [])
 
     def zero_grad(self):
         self.optimizer.zero_grad()

@@ -50,7 +50,7 @@ import weakref
 import torch
 
 from zerolab import comm, engine
-from zerolab.engine import ShardedEngine
+from zerolab.engine import OwnedGrads, ShardedEngine
 from zerolab.flat import FlatParams
 from zerolab.shard_optim import master_dtype
 
@@ -118,8 +118,8 @@ class Zero2Engine(ShardedEngine):
             self._launch(i)
 
     def _new_full(self, i):
-        b = self.buckets[i]                      # full size, this bucket only; every element is
-        full = torch.empty(b.padded_numel, dtype=b.dtype, device=b.device)  # written before use:
+        b = self.buckets[i]                      # full size, this bucket only, reduce dtype; every
+        full = torch.empty(b.padded_numel, dtype=self.reduce_dtype, device=b.device)  # element is written:
         full[b.numel:].zero_()                   # the padding here, each param's slice on arrival
         return full
 
@@ -155,8 +155,8 @@ class Zero2Engine(ShardedEngine):
 
     # -- where reduced gradient shards live (zerolab.offload: on the host) -------------------
     def _new_grad_shards(self, sizes):
-        """(one buffer, a view per bucket): the persistent gradient shards, zero."""
-        flat = torch.zeros(sum(sizes), dtype=self.compute_dtype, device=self.buckets[0].device)
+        """(one buffer, a view per bucket): the persistent gradient shards, zero, in the reduce dtype."""
+        flat = torch.zeros(sum(sizes), dtype=self.reduce_dtype, device=self.buckets[0].device)
         return flat, list(flat.split(sizes))
 
     def _keep_grad_shard(self, i, shard):
@@ -189,9 +189,12 @@ class Zero2Engine(ShardedEngine):
 
     # -- step -----------------------------------------------------------------------------
     def _step(self):
-        self.shard_optim.step(self.grad_shards)              # update shard r of every bucket
+        self.shard_optim.step(self.grad_shards, inv_scale=self.inv_scale)   # update shard r of every bucket
         for i, b in enumerate(self.buckets):                 # (N-1)/N x 2Ψ bytes in all
             comm.all_gather(b.data, b.shard(b.data), group=self.group, tag=f"bucket {i}")
+
+    def owned_grads(self):
+        return OwnedGrads(list(self.grad_shards), [])      # (the host's, under offload)
 
     def zero_grad(self):
         if self.grad_shard is not None:

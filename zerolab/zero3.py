@@ -35,7 +35,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from zerolab import comm, engine
-from zerolab.engine import Option, ShardedEngine, is_count, is_flag
+from zerolab.engine import Option, OwnedGrads, ShardedEngine, is_count, is_flag
 from zerolab.shard_optim import master_dtype
 from zerolab.units import FREE, GATHERING, READY, build_units
 
@@ -257,7 +257,7 @@ class Zero3Engine(ShardedEngine):
         # Pack the unit's gradients into one flat buffer (Ψ_u, zeros for params without a gradient)
         # only now, at the end of its backward: allocated earlier it would sit beside the unit's
         # activations, at the step's memory peak (FSDP2 packs its reduce-scatter input this way too).
-        u.grad_full = u.flat.new_buffer()
+        u.grad_full = u.flat.new_buffer(self.reduce_dtype)   # reduced in the reduce dtype
         for p, view in zip(u.flat.params, u.flat.views(u.grad_full)):
             if p.grad is not None:
                 view.copy_(p.grad)
@@ -318,11 +318,14 @@ class Zero3Engine(ShardedEngine):
     # -- step and state ----------------------------------------------------------------------
     def _step(self):
         self._settle()
-        self.shard_optim.step(self._step_grads())   # updates each unit's shard in place
+        self.shard_optim.step(self._step_grads(), inv_scale=self.inv_scale)   # each unit's shard, in place
         self._publish()
 
     def _step_grads(self):
         return [torch.zeros_like(u.shard) if g is None else g for u, g in zip(self.units, self.grad_shards)]
+
+    def owned_grads(self):
+        return OwnedGrads(self._step_grads(), [])
 
     def _publish(self):
         for u in self.units:

@@ -1,0 +1,403 @@
+"""ZeRO-3 in your own training loop: :func:`fully_shard` (FSDP2's idea, the course's code).
+
+``zerolab.initialize(stage=3)`` owns the optimizer. Here the MODULE owns the sharding and you keep
+your loop, any elementwise torch optimizer and any LR scheduler::
+
+    model = zerolab.fully_shard(model, param_dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)    # this rank's shards: 1/N of the state
+    loss = model(x, y); loss.backward()                     # gathers, reduce-scatters, frees
+    model.finish_gradient_synchronization()                 # every shard's .grad is final
+    zerolab.clip_grad_norm_(model, 1.0)                     # optional: one all-reduce of a scalar
+    opt.step(); opt.zero_grad()
+
+**Per-parameter dim-0 sharding (FSDP2's layout), not one flat buffer per unit.** Each parameter of
+``rows`` rows is cut along dim 0 into N pieces of c = ceil(rows/N) rows, zero rows padding the
+last ones; rank r keeps piece r as its own ``nn.Parameter`` of shape (c, ...), in the parameter's
+own dtype (fp32: the master). ``model.parameters()`` ARE these shards, so a torch optimizer built
+on them holds 1/N of the optimizer state with no wrapper around it, ``p.grad`` has p's shape and
+dtype, a frozen parameter simply stays whole, and a full state dict is one all-gather per
+parameter. What it costs: a unit's all-gather takes ONE buffer, so its shards are copied into it
+(cast to ``param_dtype`` on the way) and the gathered pieces copied out into each parameter; the
+gradients likewise into the reduce-scatter buffer (FSDP2's ``all_gather_copy_in`` /
+``split_with_sizes_copy`` / ``chunk_cat``). A flat buffer (zerolab.zero3) needs neither copy, but
+its shard boundaries cut parameters anywhere, so its shards are not parameters a torch optimizer
+could own, and every element must share one dtype.
+
+Units, as FSDP2's ``fully_shard`` calls: ``units`` is the list of modules you would wrap, the model
+itself included to shard what no inner unit holds (the *root*); default each of ``model.blocks``
+(else each top-level child) and the model. Per unit, per step (paper Sec. 5.3 / 7.2.2, 3Ψ_u)::
+
+    forward:  copy-in shards -> all-gather (Ψ_u) -> copy-out -> compute -> free (reshard_after_forward)
+    backward: all-gather again (if freed) -> gradients -> copy-in -> reduce-scatter (Ψ_u) -> own
+              rows / N into each shard's .grad -> free
+
+The root is gathered once per step and kept until its gradients are complete (as FSDP2's root).
+No prefetch: each all-gather starts when its unit is about to run (FSDP2 overlaps them on CUDA
+streams; zerolab's stage-3 engine prefetches one unit ahead). One dtype per unit's all-gather:
+``param_dtype``, or the parameters' own if they share one (FSDP2 also gathers mixed dtypes, as
+bytes). Trainable parameters in no unit (and 0-dim ones) stay whole: their gradients are
+all-reduced (averaged) at the end of backward, identical on every rank. Frozen parameters and
+floating buffers stay whole, cast to ``param_dtype``. A weight tied across units belongs to the
+smallest unit holding all of its uses (TinyGPT's embedding and head: the root); if none does,
+ValueError (:func:`zerolab.units.assign_params`).
+"""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from zerolab import comm, engine, mixed_precision
+from zerolab.engine import OwnedGrads, cast_floats, check_same_model
+from zerolab.shard_optim import master_dtype
+from zerolab.units import assign_params, module_name
+from zerolab.zero3 import register_pre_backward
+
+DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+# -- one parameter, cut along dim 0 (exercise 11.1) -----------------------------------------
+def rows_per_rank(rows, world_size):
+    """c = ceil(rows / N): every rank's piece has c rows (the last ones padded with zero rows)."""
+    return -(-rows // world_size)
+
+
+def shard_dim0(full, rank, world_size):
+    """Rank ``rank``'s piece of ``full`` along dim 0: rows [rank*c, (rank+1)*c), padded with zero
+    rows to c rows (a new tensor, ``full``'s dtype). Equal shapes on every rank make the all-gather
+    one collective of N equal pieces."""
+    rows, c = full.shape[0], rows_per_rank(full.shape[0], world_size)
+    lo, hi = min(rank * c, rows), min((rank + 1) * c, rows)
+    out = full.new_zeros((c,) + tuple(full.shape[1:]))
+    out[:hi - lo] = full[lo:hi]                  # rows past the end stay zero: padding
+    return out
+
+
+def unshard_dim0(shard, rows, group=None):
+    """The whole parameter from every rank's ``shard``: one all-gather of the N pieces (rank order
+    is row order), then the padding rows cut off. Sends (N-1)/N of the padded tensor."""
+    n = dist.get_world_size(group)
+    full = shard.new_empty((n * shard.shape[0],) + tuple(shard.shape[1:]))
+    comm.all_gather(full, shard.contiguous(), group=group, tag="unshard")
+    return full[:rows]
+
+
+class _Sharded:
+    """A sharded parameter: ``shard`` (this rank's rows, an nn.Parameter in the original dtype, what
+    ``model.parameters()`` yields) and ``full`` (the compute-dtype parameter the module uses while
+    its unit is gathered, a view of the first ``rows`` rows of its padded region of ``unit.full``)."""
+
+    def __init__(self, p, where, rank, world_size, dtype):
+        self.where, self.rows, self.n = where, p.shape[0], world_size     # where: [(module, name)]
+        self.c = rows_per_rank(self.rows, world_size)
+        self.row_numel = p[0].numel()
+        self.shard = nn.Parameter(shard_dim0(p.detach(), rank, world_size), requires_grad=True)
+        self.full = nn.Parameter(torch.empty(0, dtype=dtype, device=p.device))   # data: set by bind
+        self.shape = p.shape
+
+    @property
+    def shard_numel(self):
+        return self.c * self.row_numel
+
+    def bind(self, padded):
+        """``padded``: this parameter's region of unit.full (N*c rows). ``.data`` keeps the
+        parameter's own version counter: refilling the storage does not trip autograd's checks."""
+        self.full.data = padded[:self.rows * self.row_numel].view(self.shape)
+
+    def install(self, which):
+        for module, name in self.where:          # every place the module looks it up (tied names)
+            module._parameters[name] = which
+
+
+class _Unit:
+    """One unit: its sharded parameters, one compute dtype, and ``full``: the padded gathered
+    parameters back to back (storage present only while gathered)."""
+
+    def __init__(self, name, module, params):
+        self.name, self.module, self.params = name, module, params
+        self.dtype = params[0].full.dtype
+        self.shard_numel = sum(s.shard_numel for s in params)          # what this rank keeps
+        self.full = torch.zeros(params[0].n * self.shard_numel, dtype=self.dtype, device=params[0].shard.device)
+        off = 0
+        for s in params:
+            s.offset = off                                             # column in the comm layout
+            s.bind(self.full[off * s.n:(off + s.shard_numel) * s.n])
+            off += s.shard_numel
+        self.gathered, self.arrived, self.launched = True, set(), False
+
+    def padded(self, s):
+        """Parameter s's region of ``full``: N*c rows, row-major (padding rows at the end)."""
+        return self.full[s.offset * s.n:(s.offset + s.shard_numel) * s.n]
+
+
+class FullyShardedModule(nn.Module):
+    """What :func:`fully_shard` returns. ``module``: the wrapped model (its parameters are the
+    shards at rest); ``units``; ``replicated``: trainable parameters left whole."""
+
+    def __init__(self, module, *, param_dtype, reduce_dtype, units, reshard_after_forward, group):
+        super().__init__()
+        self.module, self.group, self.reshard_after_forward = module, group, reshard_after_forward
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.reduce_impl = engine.default_reduce_impl(group)
+        owners, self.replicated, frozen = assign_params(module, units)
+        stray = {id(p) for p in self.replicated if p.dim() > 0 and param_dtype not in (None, p.dtype)}
+        if stray:                                # they would compute in their dtype, the rest in param_dtype
+            names = [n for n, p in module.named_parameters() if id(p) in stray]
+            raise ValueError(f"param_dtype={param_dtype} but {names[:4]} stay whole in their own dtype (in no "
+                             f"unit): put them in a unit (add the model itself to units: the root)")
+        self.units = []
+        for unit_module, params in owners.items():
+            dtypes = {p.dtype for p, _ in params}
+            if param_dtype is None and len(dtypes) > 1:
+                raise ValueError(f"unit {module_name(module, unit_module)!r} has parameters of several "
+                                 f"dtypes {sorted(map(str, dtypes))}: pass param_dtype, or split the unit")
+            dtype = param_dtype or params[0][0].dtype
+            sharded = [_Sharded(p, where, self.rank, self.world_size, dtype) for p, where in params]
+            for s in sharded:
+                s.install(s.shard)                                     # at rest: the shards
+            self.units.append(_Unit(module_name(module, unit_module), unit_module, sharded))
+        with torch.no_grad():
+            for t in frozen + list(module.buffers()):
+                if param_dtype is not None and t.is_floating_point():
+                    t.data = t.data.to(param_dtype)                   # whole on every rank
+        self._root = next((u for u in self.units if u.module is module), None)
+        self._by_full = {id(s.full): u for u in self.units for s in u.params}
+        for u in self.units:
+            for s in u.params:
+                s.full.register_post_accumulate_grad_hook(self._on_grad)
+            if u is not self._root:
+                u.module.register_forward_pre_hook(self._pre_forward(u))
+                u.module.register_forward_hook(self._post_forward(u))
+            self._free(u)
+        module.register_forward_pre_hook(self._root_pre_forward)
+        module.register_forward_hook(self._root_post_forward)
+        self._inflight, self._pending, self._queued = [], False, False
+
+    # -- gather / free (the copies FSDP2's per-parameter layout costs) ---------------------
+    @torch.no_grad()
+    def _gather(self, u):
+        if u.gathered:
+            return
+        # copy-in: this rank's shards back to back, cast to the compute dtype (Σ c·row elements)
+        inp = torch.cat([s.shard.detach().reshape(-1).to(u.dtype) for s in u.params])
+        out = torch.empty(self.world_size * u.shard_numel, dtype=u.dtype, device=inp.device)
+        comm.all_gather(out, inp, group=self.group, tag=u.name)      # rank-major: rank r's shards
+        out = out.view(self.world_size, u.shard_numel)                # row r: rank r's input
+        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        for s in u.params:                       # copy-out: rank r's c rows of s -> rows [r*c, (r+1)*c)
+            u.padded(s).view(self.world_size, s.shard_numel).copy_(out[:, s.offset:s.offset + s.shard_numel])
+        u.gathered = True
+
+    def _free(self, u):
+        u.full.untyped_storage().resize_(0)      # every view (autograd's saved ones too) holds 0 B
+        u.gathered = False
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.param_dtype is not None:         # floating inputs in the compute dtype, as FSDP2
+            args, kwargs = cast_floats(args, self.param_dtype), cast_floats(kwargs, self.param_dtype)
+        return self.module(*args, **kwargs)
+
+    def _root_pre_forward(self, module, args):
+        if self._pending:
+            self._settle()                       # a forward whose backward never came
+        for u in self.units:
+            u.arrived, u.launched = set(), False
+        if self._root is not None:
+            self._gather(self._root)             # once per step, kept until its backward
+            for s in self._root.params:
+                s.install(s.full)
+
+    def _root_post_forward(self, module, args, output):
+        if self._root is not None:
+            for s in self._root.params:
+                s.install(s.shard)
+        if torch.is_grad_enabled():
+            self._pending = True
+            register_pre_backward(output, self._pre_backward_root)
+        else:
+            self._settle()                       # no backward will come: free everything
+
+    def _pre_forward(self, u):
+        def hook(module, args):
+            self._gather(u)                      # all-gather right before use
+            for s in u.params:
+                s.install(s.full)
+        return hook
+
+    def _post_forward(self, u):
+        def hook(module, args, output):
+            for s in u.params:
+                s.install(s.shard)               # the module shows its shards again
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self._free(u)                    # ZeRO-3; False keeps it until backward (ZeRO-2-like)
+            if torch.is_grad_enabled():
+                register_pre_backward(output, lambda: self._gather(u))   # gathered again for backward
+        return hook
+
+    # -- backward --------------------------------------------------------------------------
+    def _pre_backward_root(self):
+        if not self._queued:                     # once per backward: finish when autograd is done
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    @torch.no_grad()
+    def _on_grad(self, full):
+        """Post-accumulate-grad hook of a compute parameter: its gradient is final for this backward
+        (autograd summed every use, tied ones included). The unit's last one reduce-scatters it."""
+        u = self._by_full[id(full)]
+        if u.launched:
+            raise RuntimeError(f"fully_shard: a gradient of unit {u.name!r} arrived after the unit was "
+                               f"reduce-scattered (a second backward through one forward?)")
+        u.arrived.add(id(full))
+        if len(u.arrived) == len(u.params):
+            self._reduce_scatter(u)
+
+    @torch.no_grad()
+    def _reduce_scatter(self, u):
+        u.launched = True
+        n = self.world_size
+        dtype = self.reduce_dtype or u.dtype
+        # copy-in, rank-major: row r of `buf` holds the rows of every parameter that rank r owns
+        buf = torch.zeros(n, u.shard_numel, dtype=dtype, device=u.full.device)   # Ψ_u (+ padding)
+        for s in u.params:
+            g = s.full.grad if s.full.grad is not None else torch.zeros(s.shape, dtype=u.dtype)
+            padded = F.pad(g.reshape(s.rows, -1), (0, 0, 0, n * s.c - s.rows))    # zero rows at the end
+            buf[:, s.offset:s.offset + s.shard_numel].copy_(padded.view(n, -1))
+            s.full.grad = None                   # no full-size gradient survives the unit
+        self._free(u)                            # its weights are no longer needed this step
+        if self._inflight:
+            self._finish_oldest()                # at most two units' buffers alive
+        own = buf[self.rank]                     # in place: rank r receives the sum of its row
+        work = engine.reduce_scatter(own, buf.view(-1), group=self.group, impl=self.reduce_impl,
+                                     async_op=True, tag=u.name)
+        self._inflight.append((u, own, work))
+        if work is None:
+            self._finish_oldest()                # blocking (the ring on gloo): done, free `buf` now
+
+    def _finish_oldest(self):
+        u, own, work = self._inflight.pop(0)
+        if work is not None:
+            work.wait()
+        own.div_(self.world_size)                # the average over ranks
+        for s in u.params:                       # copy-out: p.grad has p's shape and dtype
+            g = own[s.offset:s.offset + s.shard_numel].view(s.shard.shape)
+            if s.shard.grad is None:
+                s.shard.grad = g.to(s.shard.dtype, copy=True)   # a copy: a view would pin `buf`
+            else:
+                s.shard.grad += g                # gradient accumulation: one reduce-scatter per backward
+
+    def _end_of_backward(self):
+        self._queued = False
+        self.finish_gradient_synchronization()
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self):
+        """Make every gradient final: reduce-scatter the units whose gradients never all arrived
+        (unused parameters: zeros; same unit order on every rank), wait for every reduce-scatter,
+        all-reduce the gradients of the parameters left whole, free what is still gathered. Runs by
+        itself at the end of each backward (an autograd callback, as FSDP2's root does), so calling
+        it after ``loss.backward()`` is a no-op; call it anyway, as in CS336's FSDP interface."""
+        if not self._pending:
+            return
+        self._pending = False
+        for u in self.units:                     # in unit order on every rank
+            if not u.launched:
+                self._reduce_scatter(u)
+        while self._inflight:
+            self._finish_oldest()
+        self._allreduce_replicated()
+        self._settle()
+
+    def _allreduce_replicated(self):
+        if not self.replicated:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated]
+        flat = torch.cat([g.reshape(-1).to(self.reduce_dtype or g.dtype) for g in grads])
+        comm.all_reduce(flat, group=self.group, tag="replicated")   # 2(N-1)/N x their bytes
+        flat.div_(self.world_size)
+        for p, g in zip(self.replicated, flat.split([g.numel() for g in grads])):
+            p.grad = g.view_as(p).to(p.dtype)
+
+    def _settle(self):
+        while self._inflight:
+            self._finish_oldest()
+        for u in self.units:
+            if u.gathered:
+                self._free(u)
+        self._pending = False
+
+    # -- state -------------------------------------------------------------------------------
+    def owned_grads(self):
+        """:class:`zerolab.engine.OwnedGrads`: every shard's .grad (sharded) and the whole
+        parameters' (replicated)."""
+        return OwnedGrads([s.shard.grad for u in self.units for s in u.params if s.shard.grad is not None],
+                          [p.grad for p in self.replicated if p.grad is not None])
+
+    def full_state_dict(self):
+        """The wrapped module's state dict with every parameter whole (one all-gather per sharded
+        parameter; padding cut off) in its master dtype: tied names included, loadable with strict
+        ``load_state_dict`` into the plain model. A collective: every rank calls it."""
+        whole = {}
+        for u in self.units:
+            for s in u.params:
+                whole[id(s.shard)] = unshard_dim0(s.shard.detach(), s.rows, self.group).clone()
+        out = {}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            t = whole.get(id(t), t)
+            out[name] = t.detach().to(master_dtype(t.dtype)).clone() if t.is_floating_point() else t.detach().clone()
+        return out
+
+    def padding_bytes(self):
+        """Bytes of zero rows in this rank's shards (and their gradients when present)."""
+        total = 0
+        for u in self.units:
+            for s in u.params:
+                lo, hi = self.rank * s.c, (self.rank + 1) * s.c
+                pad_rows = hi - max(lo, min(hi, s.rows))
+                per = s.shard.element_size() + (s.shard.grad.element_size() if s.shard.grad is not None else 0)
+                total += pad_rows * s.row_numel * per
+        return total
+
+
+def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, reshard_after_forward=True,
+                group=None):
+    """Shard ``model``'s parameters along dim 0 over ``group`` (see the module docstring) and return
+    the :class:`FullyShardedModule` wrapping it. ``param_dtype``: compute dtype (the shards, i.e.
+    the masters, keep theirs); ``reduce_dtype``: gradient reduction dtype (default the compute
+    dtype); ``units``: modules gathered one at a time (the model itself = the root); every rank
+    must call it with the same model (checked)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("fully_shard needs a process group: zerolab.launch / Cluster, or init_from_env()")
+    for name, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if v not in DTYPES:
+            raise ValueError(f"{name}={v!r} is not supported: None, torch.float32, torch.bfloat16, "
+                             f"torch.float16 or torch.float64")
+    if reshard_after_forward not in (True, False):
+        raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    if units is not None and not isinstance(units, (list, tuple)):
+        raise ValueError(f"units must be None or a list of modules, got {type(units).__name__}")
+    bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
+    if bad:
+        raise ValueError(f"parameters must be floating point; not so: {bad}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    check_same_model(model, group)
+    return FullyShardedModule(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype, units=units,
+                              reshard_after_forward=reshard_after_forward, group=group)
+
+
+def clip_grad_norm_(model, max_norm, norm_type=2.0):
+    """``torch.nn.utils.clip_grad_norm_`` for a :func:`fully_shard` model, after backward: the
+    global norm from each rank's shard gradients (+ the whole parameters' gradients, counted once),
+    one all-reduce of a float64 scalar; every gradient scaled by min(1, max_norm / (norm + 1e-6)).
+    Returns the norm (float64, 0-dim, equal on every rank). Engines: ``engine.clip_grad_norm_``."""
+    if not isinstance(model, FullyShardedModule):
+        raise ValueError(f"zerolab.clip_grad_norm_ takes a zerolab.fully_shard model, got {type(model).__name__} "
+                         f"(an engine has engine.clip_grad_norm_(max_norm))")
+    model.finish_gradient_synchronization()
+    grads = model.owned_grads()
+    return mixed_precision.clip_grad_norm_(grads.sharded, grads.replicated, max_norm, norm_type=norm_type,
+                                           group=model.group)
