@@ -10,16 +10,25 @@ import torch
 
 
 def assert_params(results, expected, what, *, exact=False, **tol):
-    """Every rank's {name: tensor} in ``results`` equals ``expected`` (bit for bit with ``exact``,
-    else within ``tol`` of torch.testing.assert_close); a failure names the rank and the parameter."""
-    for rank, got in enumerate(results):
-        assert sorted(got) == sorted(expected), f"rank {rank}, {what}: parameter names differ"
-        for name in expected:
+    """Every rank's {name: tensor} in ``results`` equals ``expected`` (one {name: tensor} for all
+    ranks, or a list of them, one per rank): the same names, the same dtypes, and values bit for bit
+    with ``exact``, else within ``tol`` of torch.testing.assert_close. A failure names the rank and
+    the parameter."""
+    per_rank = expected if isinstance(expected, (list, tuple)) else [expected] * len(results)
+    assert len(per_rank) == len(results), f"{what}: {len(results)} results, {len(per_rank)} expected"
+    for rank, (got, want) in enumerate(zip(results, per_rank)):
+        assert sorted(got) == sorted(want), f"rank {rank}, {what}: parameter names differ"
+        for name in want:
             if exact:
-                assert torch.equal(got[name], expected[name]), f"rank {rank}, {what}, {name}: not bit-identical"
+                g, w = got[name], want[name]
+                if g.dtype != w.dtype or g.shape != w.shape:
+                    raise AssertionError(f"rank {rank}, {what}, {name}: {g.dtype} {tuple(g.shape)}, "
+                                         f"expected {w.dtype} {tuple(w.shape)}")
+                assert torch.equal(g, w), (f"rank {rank}, {what}, {name}: not bit-identical (largest "
+                                           f"difference {(g.double() - w.double()).abs().max().item():.3g})")
                 continue
             try:
-                torch.testing.assert_close(got[name], expected[name], **tol)
+                torch.testing.assert_close(got[name], want[name], **tol)
             except AssertionError as exc:
                 raise AssertionError(f"rank {rank}, {what}, parameter {name}: {exc}") from None
 

@@ -1,6 +1,6 @@
 """Checkpoints, resharding and recovery from faults, against independent references: one process
-training on the global batch (computed here, in the test process, with a plain torch optimizer),
-and the same engine trained without interruption. float64 where exactness matters."""
+training on the global batch (tests/reference.py, computed in the test process, with a plain torch
+optimizer), and the same engine trained without interruption. float64 where exactness matters."""
 import os
 import signal
 import time
@@ -11,76 +11,59 @@ import torch.distributed as dist
 
 import zerolab
 from helpers import assert_params
-from zerolab import checkpoint, models
+from reference import build, rank_batch, reference, run, train as train_engine
+from zerolab import checkpoint
 from zerolab.checkpoint import CheckpointError
+from zerolab.stages import parse_stage
 
 GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=8)
-GLOBAL_BATCH = 12           # split evenly over 1, 2, 3 or 4 ranks
 LR = 1e-2
 EXACT = dict(rtol=1e-10, atol=1e-12)
+# Every step's global batch: 12 one-sample data shards, split evenly over 1, 2, 3 or 4 ranks, so
+# that it is the same data whatever N is (the reference is "12 ranks" of one sample each).
+SHARDS = 12
+DATA = dict(size=1, model_kw=GPT)
+LOOP = dict(DATA, shards=SHARDS, lr=LR)
 
 
 def _check(results, expected, what, exact=False):
     assert_params(results, expected, what, exact=exact, **({} if exact else EXACT))
 
 
-def _batch(step, model, rank, world_size):
-    """Rank ``rank``'s share of step ``step``'s global batch: the same data whatever N is."""
-    x, y = models.batch("gpt", seed=100 + step, batch_size=GLOBAL_BATCH, model=model)
-    rows = GLOBAL_BATCH // world_size
-    return x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
+def train(spec, until, *, load=None, save_at=None, path=None, fault=None, **kw):
+    """On every rank: build the engine of ``spec`` ('2', '3+offload'), optionally load ``load``,
+    train up to step ``until`` (saving to ``path`` after step ``save_at``), return the full state
+    dict. ``fault=(step, rank, kind)`` misbehaves."""
+    stage, offload = parse_stage(spec)
+    rank = dist.get_rank()
 
-
-def reference(steps):
-    """ONE process, no communication: AdamW on each step's global batch. {step: state dict}."""
-    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    out = {}
-    for step in range(max(steps)):
-        opt.zero_grad()
-        model(*_batch(step, model, 0, 1)).backward()
-        opt.step()
-        if step + 1 in steps:
-            out[step + 1] = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return out
-
-
-def _spec(spec):
-    stage, _, offload = str(spec).partition("+")
-    return int(stage), ("optimizer" if offload else None)
-
-
-def train(spec, until, *, load=None, save_at=None, path=None, dtype=torch.float64, param_dtype=None,
-          fault=None):
-    """On every rank: build, optionally load ``load``, train up to step ``until`` (saving to ``path``
-    after step ``save_at``), return the full state dict. ``fault=(step, rank, kind)`` misbehaves."""
-    stage, offload = _spec(spec)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    model = models.build("gpt", seed=0, dtype=dtype, **GPT)
-    engine = zerolab.initialize(model, stage=stage, offload=offload, lr=LR, param_dtype=param_dtype)
-    if load:
+    def load_it(engine):
         client = engine.load_checkpoint(load)
         assert client == {"data_position": engine.steps}, client
-    for step in range(engine.steps, until):
-        x, y = _batch(step, model, rank, n)
-        if fault and fault[:2] == (step, rank):
-            if fault[2] == "raise":
-                raise RuntimeError(f"injected failure at step {step}")
-            if fault[2] == "kill":                      # the others are in the forward/backward
-                os.kill(os.getpid(), signal.SIGKILL)    # collectives when this lands
-            if fault[2] == "skip":
-                return "skipped"                        # never joins this step's collectives
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
+
+    def misbehave(engine, step):
+        if fault[:2] != (step, rank):
+            return None
+        if fault[2] == "raise":
+            raise RuntimeError(f"injected failure at step {step}")
+        if fault[2] == "kill":                          # the others are in the forward/backward
+            os.kill(os.getpid(), signal.SIGKILL)        # collectives when this lands
+        if fault[2] == "skip":
+            return "skipped"                            # never joins this step's collectives
+        return None
+
+    def save(engine, step):
         if save_at == step + 1:
             engine.save_checkpoint(path, client_state={"data_position": step + 1})
-    return engine.full_state_dict()
+
+    return train_engine("gpt", until, stage=stage, offload=offload, **LOOP, setup=load_it if load else None,
+                        before_step=misbehave if fault else None, after_step=save if save_at else None, **kw)
 
 
 @pytest.fixture(scope="module")
 def ref():
-    return reference((5, 10))
+    """ONE process, no communication: AdamW on each step's global batch. {step: state dict}."""
+    return {steps: reference("gpt", SHARDS, steps, lr=LR, **DATA) for steps in (5, 10)}
 
 
 def test_save_4_ranks_stage3_resume_2_ranks_stage1(clusters, ref, tmp_path):
@@ -91,8 +74,8 @@ def test_save_4_ranks_stage3_resume_2_ranks_stage1(clusters, ref, tmp_path):
     meta = checkpoint.read_metadata(path)
     assert (meta["stage"], meta["world_size"], meta["steps"]) == (3, 4, 5)
     assert len(meta["files"]) == 4 and all(len(f["sha256"]) == 64 for f in meta["files"])
-    tied = {"head.weight": ref[5]["tok.weight"]}      # the state dict names both ends of a tied weight
-    _check([checkpoint.consolidate(path)], dict(ref[5], **tied), "consolidated, no process group")
+    # the state dict names both ends of a tied weight (head.weight is tok.weight): so does ref
+    _check([checkpoint.consolidate(path)], ref[5], "consolidated, no process group")
     _check(clusters(2).run(train, 1, 10, load=path), ref[10], "2 ranks stage 1 from the checkpoint, step 10")
 
 
@@ -120,26 +103,23 @@ def test_resume_on_the_same_ranks_is_bit_identical(clusters, tmp_path, spec, par
 def _rewind(spec, options, path):
     """Train to step 6 saving after step 3, then load step 3 INTO THE SAME ENGINE (its optimizer
     state exists; stage 3's kept units are gathered) and train to 6 again. Returns both results."""
-    stage, offload = _spec(spec)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    model = models.build("gpt", seed=0, **GPT)
-    engine = zerolab.initialize(model, stage=stage, offload=offload, lr=LR, **options)
+    stage, offload = parse_stage(spec)
 
-    def run(until, save_at=None):
-        for step in range(engine.steps, until):
-            engine.backward(engine(*_batch(step, model, rank, n)))
-            engine.step()
-            engine.zero_grad()
-            if engine.steps == save_at:
-                engine.save_checkpoint(path)
-    run(6, save_at=3)
-    straight = engine.full_state_dict()
-    with torch.no_grad():                               # an evaluation: stage 3 gathers its kept units
-        engine(*_batch(0, model, rank, n))
-    engine.load_checkpoint(path)
-    assert engine.steps == 3
-    run(6)
-    return straight, engine.full_state_dict()
+    def save_at_3(engine, step):
+        if engine.steps == 3:
+            engine.save_checkpoint(path)
+
+    def rewind(engine):
+        straight = engine.full_state_dict()
+        with torch.no_grad():                           # an evaluation: stage 3 gathers its kept units
+            engine(*rank_batch("gpt", 0, dist.get_rank(), dist.get_world_size(), shards=SHARDS, **DATA))
+        engine.load_checkpoint(path)
+        assert engine.steps == 3
+        run(engine, "gpt", 6, dtype=torch.float32, shards=SHARDS, **DATA)
+        return straight, engine.full_state_dict()
+
+    return train_engine("gpt", 6, stage=stage, offload=offload, dtype=torch.float32, **LOOP,
+                        after_step=save_at_3, finish=rewind, **options)
 
 
 @pytest.mark.parametrize("spec, options", [("0", {}), ("1", {}), ("2", {}), ("3", {}), ("2+offload", {}),
@@ -152,28 +132,25 @@ def test_loading_into_a_trained_engine_rewinds_it_exactly(clusters, tmp_path, sp
 def _load_during_delayed_update(path):
     """Offload with the delayed parameter update: a host update still running in the background
     when load() is called must not overwrite the loaded state afterwards."""
-    model = models.build("gpt", seed=0, **GPT)
-    engine = zerolab.initialize(model, stage=2, offload="optimizer", lr=LR)
-    rank, n = dist.get_rank(), dist.get_world_size()
-    for step in range(2):
-        engine.backward(engine(*_batch(step, model, rank, n)))
-        engine.step()
-        engine.zero_grad()
-    engine.save_checkpoint(path, client_state={"data_position": 2})
-    saved = engine.full_state_dict()
-    engine.delayed_update = True
-    inner = engine.shard_optim.optimizer
-    slow_step = inner.step
+    def then(engine):
+        engine.save_checkpoint(path, client_state={"data_position": 2})
+        saved = engine.full_state_dict()
+        engine.delayed_update = True
+        inner = engine.shard_optim.optimizer
+        slow_step = inner.step
 
-    def slow(*args, **kwargs):                          # the host update takes a while
-        time.sleep(1.0)
-        return slow_step(*args, **kwargs)
-    inner.step = slow
-    engine.backward(engine(*_batch(2, model, rank, n)))
-    engine.step()                                       # returns at once; the update runs on
-    engine.load_checkpoint(path)
-    time.sleep(1.5)                                     # a late update would land by now
-    return saved, engine.full_state_dict(), engine.steps
+        def slow(*args, **kwargs):                      # the host update takes a while
+            time.sleep(1.0)
+            return slow_step(*args, **kwargs)
+        inner.step = slow
+        engine.backward(engine(*rank_batch("gpt", 2, dist.get_rank(), dist.get_world_size(), shards=SHARDS,
+                                           **DATA)))
+        engine.step()                                   # returns at once; the update runs on
+        engine.load_checkpoint(path)
+        time.sleep(1.5)                                 # a late update would land by now
+        return saved, engine.full_state_dict(), engine.steps
+
+    return train_engine("gpt", 2, stage=2, offload="optimizer", dtype=torch.float32, **LOOP, finish=then)
 
 
 def test_load_waits_for_a_delayed_host_update(clusters, tmp_path):
@@ -186,7 +163,7 @@ def test_consolidated_state_loads_into_the_plain_model(clusters, tmp_path, capsy
     path = tmp_path / "ckpt"
     clusters(2).run(train, "2", 2, save_at=2, path=str(path))
     state = checkpoint.consolidate(path)
-    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
+    model = build("gpt", model_kw=GPT)
     model.load_state_dict(state)                       # strict: every name, tied ones included
     assert model.tok.weight is model.head.weight and torch.equal(model.head.weight, state["tok.weight"])
     out = tmp_path / "model.pt"
@@ -234,8 +211,8 @@ def test_missing_truncated_or_altered_shard_is_named(saved, tmp_path):
         checkpoint.consolidate(tmp_path / "nothing here")
 
 
-def _load_into(path, **build):
-    model = models.build("gpt", seed=0, dtype=torch.float64, **dict(GPT, **build))
+def _load_into(path, **model_kw):
+    model = build("gpt", model_kw=dict(GPT, **model_kw))
     engine = zerolab.initialize(model, stage=1, lr=LR)
     try:
         engine.load_checkpoint(path)
@@ -244,7 +221,7 @@ def _load_into(path, **build):
 
 
 def _load_with_sgd(path):
-    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
+    model = build("gpt", model_kw=GPT)
     engine = zerolab.initialize(model, stage=1, lr=LR, optimizer=torch.optim.SGD)
     try:
         engine.load_checkpoint(path)
@@ -260,26 +237,26 @@ def test_a_checkpoint_of_another_model_or_optimizer_is_refused(clusters, saved):
     assert "holds AdamW state; this engine uses SGD" in clusters(2).run(_load_with_sgd, str(saved))[0]
 
 
-def _save_that_crashes_before_its_metadata(path):
-    """Train 2 more steps, then save, failing on rank 0 just before the commit (metadata) rename."""
-    model = models.build("gpt", seed=0, dtype=torch.float64, **GPT)
-    engine = zerolab.initialize(model, stage=2, lr=LR)
-    engine.load_checkpoint(path)
-    for step in range(engine.steps, engine.steps + 2):
-        engine.backward(engine(*_batch(step, model, dist.get_rank(), dist.get_world_size())))
-        engine.step()
-        engine.zero_grad()
-    write = checkpoint._atomic_write
+def _save_that_crashes_before_its_metadata(path, until):
+    """Load, train on to step ``until``, then save, failing on rank 0 just before the commit
+    (metadata) rename."""
+    def load_it(engine):
+        engine.load_checkpoint(path)
 
-    def crash_at_commit(file, data):
-        if file.name == checkpoint.METADATA:
-            raise OSError("disk full (injected)")
-        write(file, data)
-    checkpoint._atomic_write = crash_at_commit
-    try:
-        engine.save_checkpoint(path, client_state={"data_position": engine.steps})
-    finally:
-        checkpoint._atomic_write = write            # the fault ends with this save
+    def crashing_save(engine):
+        write = checkpoint._atomic_write
+
+        def crash_at_commit(file, data):
+            if file.name == checkpoint.METADATA:
+                raise OSError("disk full (injected)")
+            write(file, data)
+        checkpoint._atomic_write = crash_at_commit
+        try:
+            engine.save_checkpoint(path, client_state={"data_position": engine.steps})
+        finally:
+            checkpoint._atomic_write = write            # the fault ends with this save
+
+    return train_engine("gpt", until, stage=2, **LOOP, setup=load_it, finish=crashing_save)
 
 
 def test_a_crash_during_save_leaves_the_last_good_checkpoint(clusters, ref, tmp_path):
@@ -289,10 +266,9 @@ def test_a_crash_during_save_leaves_the_last_good_checkpoint(clusters, ref, tmp_
         cluster.run(train, "2", 5, save_at=5, path=str(path))
         before = sorted(p.name for p in path.iterdir())
         with pytest.raises(zerolab.RankError, match="rank 0 raised OSError: disk full"):
-            cluster.run(_save_that_crashes_before_its_metadata, str(path))
+            cluster.run(_save_that_crashes_before_its_metadata, str(path), 7)  # saved at 5: 2 more steps
         assert len(list(path.iterdir())) > len(before)      # the new shards were written ...
-        _check([checkpoint.consolidate(path)], dict(ref[5], **{"head.weight": ref[5]["tok.weight"]}),
-                      "after the crash")                   # ... and ignored
+        _check([checkpoint.consolidate(path)], ref[5], "after the crash")  # ... and ignored
         _check(cluster.run(train, "2", 10, load=str(path), save_at=10, path=str(path)), ref[10],
                       "resumed after the crash")
         assert len(list(path.iterdir())) == len(before)     # the next save removed the strays

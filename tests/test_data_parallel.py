@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import assert_params
+from reference import batch, build, reference, train
 from zerolab import RankError, models
 
 STEPS = 3
@@ -14,97 +15,82 @@ GPT = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, seq_len=16)
 LR = 1e-2
 
 
+def _setup(name):
+    """What the reference, the engine and the plain loops share: the model's size and the data's, the lr."""
+    return dict(lr=LR, size=MICRO, model_kw=GPT if name == "gpt" else None)
+
+
 def _build(name, dtype):
-    return models.build(name, seed=0, dtype=dtype, **(GPT if name == "gpt" else {}))
+    return build(name, dtype, model_kw=_setup(name)["model_kw"])
 
 
-def _data(name, model, step, rank, micro, dtype):
-    return models.batch(name, seed=1000 * step + 10 * rank + micro, batch_size=MICRO, model=model,
-                        dtype=dtype)
+def _data(name, step, rank, micro, dtype):
+    return batch(name, step, rank, micro, size=MICRO, dtype=dtype, model_kw=_setup(name)["model_kw"])
 
 
-def reference(name, world_size, dtype=torch.float64, accum=1, steps=STEPS, optimizer=torch.optim.AdamW,
-              lr=LR):
-    """ONE process, no communication: AdamW on the N x accum micro-batches concatenated."""
-    model = _build(name, dtype)
-    opt = optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
-    for step in range(steps):
-        parts = [_data(name, model, step, r, k, dtype) for r in range(world_size) for k in range(accum)]
-        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-        opt.zero_grad()
-        model(x, y).backward()
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def train_on_rank(kind, name, dtype=torch.float64, accum=1, bucket_bytes=2048, steps=STEPS):
-    """Train on this rank's micro-batches with ``kind``: 'naive' / 'bucketed' (the DataParallel
-    wrapper in a plain torch loop), 'engine' (zerolab.initialize, stage 0), or 'ddp' (torch's)."""
+def _own_loop(kind, name, dtype=torch.float64, accum=1, bucket_bytes=2048):
+    """Train on this rank's micro-batches in a plain torch loop around 'naive' / 'bucketed' (the
+    DataParallel wrapper) or 'ddp' (torch's DistributedDataParallel), with no_sync for accumulation."""
     from zerolab.data_parallel import DataParallel
-    from zerolab import initialize
     rank = dist.get_rank()
     model = _build(name, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if kind == "engine":
-        net = initialize(model, stage=0, lr=LR, bucket_bytes=bucket_bytes)
-        opt = None
-    elif kind == "ddp":
+    if kind == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(trainable, lr=LR)
     else:
         net = DataParallel(model, bucket_bytes=bucket_bytes if kind == "bucketed" else None)
-        opt = torch.optim.AdamW(trainable, lr=LR)
-    for step in range(steps):
+    opt = torch.optim.AdamW(trainable, lr=LR)
+    for step in range(STEPS):
         for k in range(accum):
-            x, y = _data(name, model, step, rank, k, dtype)
+            x, y = _data(name, step, rank, k, dtype)
             last = k == accum - 1
             ctx = net.no_sync() if not last else torch.enable_grad()
             with ctx:
                 loss = net(x, y) / accum
-                if kind == "engine":
-                    net.backward(loss)
-                else:
-                    loss.backward()
-                    if kind != "ddp":
-                        net.finish_gradient_synchronization()
-        if kind == "engine":
-            net.step()
-            net.zero_grad()
-        else:
-            opt.step()
-            opt.zero_grad()          # set_to_none=True: the wrapper must cope with it
-    if kind == "engine":
-        return net.full_state_dict()
+                loss.backward()
+                if kind != "ddp":
+                    net.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()          # set_to_none=True: the wrapper must cope with it
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _trained(cluster, kind, name, dtype=torch.float64, accum=1):
+    """Every rank's parameters after STEPS steps with ``kind``: a plain loop (:func:`_own_loop`) or
+    'engine' (zerolab.initialize, stage 0, in the tests' one engine loop)."""
+    if kind == "engine":
+        return cluster.run(train, name, STEPS, stage=0, dtype=dtype, micro=accum, no_sync=True, bucket_bytes=2048,
+                           **_setup(name))
+    return cluster.run(_own_loop, kind, name, dtype, accum)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_float64_equals_single_process_and_torch_ddp(clusters, world_size, name):
     cluster = clusters(world_size)
-    expected = reference(name, world_size)
-    ddp = cluster.run(train_on_rank, "ddp", name)
+    expected = reference(name, world_size, STEPS, **_setup(name))
+    ddp = _trained(cluster, "ddp", name)
     assert_params(ddp, expected, "torch DDP vs single process", rtol=1e-10, atol=1e-12)
     for kind in ("naive", "bucketed", "engine"):
-        got = cluster.run(train_on_rank, kind, name)
+        got = _trained(cluster, kind, name)
         assert_params(got, expected, f"{kind} vs single process", rtol=1e-10, atol=1e-12)
         assert_params(got, ddp[0], f"{kind} vs torch DDP", rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["mlp", "gpt"])
 def test_float32_tight(clusters, name):
-    expected = reference(name, 2, dtype=torch.float32)
+    expected = reference(name, 2, STEPS, dtype=torch.float32, **_setup(name))
     for kind in ("naive", "bucketed"):
-        got = clusters(2).run(train_on_rank, kind, name, torch.float32)
+        got = _trained(clusters(2), kind, name, torch.float32)
         assert_params(got, expected, f"{kind} float32 vs single process")   # default fp32 tolerance
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gradient_accumulation_no_sync(clusters, world_size):
     for name in ("mlp", "gpt"):
-        expected = reference(name, world_size, accum=3)
+        expected = reference(name, world_size, STEPS, micro=3, **_setup(name))
         for kind in ("naive", "bucketed", "engine"):
-            got = clusters(world_size).run(train_on_rank, kind, name, torch.float64, 3)
+            got = _trained(clusters(world_size), kind, name, torch.float64, 3)
             assert_params(got, expected, f"{name} {kind} accum=3", rtol=1e-10, atol=1e-12)
 
 
@@ -115,7 +101,7 @@ def _one_step_report(name, bucket_bytes):
     model = _build(name, torch.float32)
     engine = initialize(model, stage=0, lr=LR, bucket_bytes=bucket_bytes)
     engine.timeline = tl = Timeline()
-    x, y = _data(name, model, 0, dist.get_rank(), 0, torch.float32)
+    x, y = _data(name, 0, dist.get_rank(), 0, torch.float32)
     engine.backward(engine(x, y))
     engine.step()
     log = engine.last_step_comm
@@ -155,26 +141,23 @@ def test_bytes_memory_and_overlap(clusters, world_size, name):
         assert mem["optimizer"] == {"cpu": 8 * psi}
 
 
-def _mixed_precision():
-    from zerolab import initialize
-    model = _build("gpt", torch.float32)
-    # SGD: an update is lr x grad, often far below bf16's resolution of a weight near 1 (2^-8):
-    # only the fp32 master keeps it, which is what this test can see.
-    engine = initialize(model, stage=0, optimizer=torch.optim.SGD, lr=0.1, param_dtype=torch.bfloat16)
-    for step in range(STEPS):
-        x, y = _data("gpt", model, step, dist.get_rank(), 0, torch.float32)
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+def _bf16_result(engine):
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
     return engine.full_state_dict(), engine.memory_report()
 
 
+# SGD: an update is lr x grad, often far below bf16's resolution of a weight near 1 (2^-8): only
+# the fp32 master keeps it, which is what this test can see.
+SGD = dict(_setup("gpt"), optimizer=torch.optim.SGD, lr=0.1)
+
+
 def test_mixed_precision_bf16(clusters):
-    expected = reference("gpt", 2, dtype=torch.float32, optimizer=torch.optim.SGD, lr=0.1)
+    expected = reference("gpt", 2, STEPS, dtype=torch.float32, **SGD)
     start = _build("gpt", torch.float32).state_dict()
     psi = sum(p.numel() for p in _build("gpt", torch.float32).parameters())
-    for rank, (state, mem) in enumerate(clusters(2).run(_mixed_precision)):
+    trained = clusters(2).run(train, "gpt", STEPS, stage=0, dtype=torch.float32, param_dtype=torch.bfloat16,
+                              finish=_bf16_result, **SGD)
+    for rank, (state, mem) in enumerate(trained):
         for n, t in expected.items():   # bf16 compute: close to fp32 training, not equal
             assert state[n].dtype == torch.float32
             # Within 5% of how far fp32 training moved each tensor. LayerNorm weights near 1 move
@@ -190,7 +173,7 @@ def _second_backward_raises():
     from zerolab.data_parallel import DataParallel
     model = _build("mlp", torch.float64)
     net = DataParallel(model, bucket_bytes=10**9)          # one bucket: in flight after backward
-    x, y = _data("mlp", model, 0, dist.get_rank(), 0, torch.float64)
+    x, y = _data("mlp", 0, dist.get_rank(), 0, torch.float64)
     net(x, y).backward()
     try:
         net(x, y).backward()                                # no finish in between

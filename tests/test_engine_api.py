@@ -3,28 +3,30 @@ plain model (tied names included), LR schedulers through ``engine.optimizer``, s
 units with a weight shared by two top-level children, and the static (stage, offload) table."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import zerolab
+from helpers import assert_params
+from reference import reference, train
 from zerolab import models
 
 ALL = [(0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"), (3, "optimizer")]
 LR = 1e-2
 
 
-def _tied_strict(stage, offload):
-    model = models.build("gpt", seed=0)                 # head.weight is tok.weight
-    engine = zerolab.initialize(model, stage=stage, offload=offload, lr=LR, bucket_bytes=40000)
-    x, y = models.batch("gpt", seed=dist.get_rank(), batch_size=2, model=model)
-    engine.backward(engine(x, y))
-    engine.step()
+def _strict_load(engine):
     state = engine.full_state_dict()
     plain = models.build("gpt", seed=1)
     result = plain.load_state_dict(state, strict=True)  # raises on a missing or unexpected key
     return (sorted(state), state["head.weight"] is state["tok.weight"], list(result.missing_keys),
             torch.equal(plain.head.weight, state["tok.weight"]))
+
+
+def _tied_strict(stage, offload):
+    """One step of TinyGPT (head.weight is tok.weight), then its full state dict into a plain model."""
+    return train("gpt", 1, stage=stage, offload=offload, dtype=torch.float32, lr=LR, size=2, bucket_bytes=40000,
+                 finish=_strict_load)
 
 
 @pytest.mark.parametrize("stage,offload", ALL)
@@ -36,43 +38,27 @@ def test_full_state_dict_loads_strictly_into_a_tied_model(clusters, stage, offlo
         assert missing == [] and loaded
 
 
-def _with_scheduler(stage, offload, steps):
-    model = models.build("gpt", seed=0, dtype=torch.float64)
-    engine = zerolab.initialize(model, stage=stage, offload=offload, lr=LR, bucket_bytes=40000,
-                                weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda s: 1.0 / (1 + s))
-    for s in range(steps):
-        x, y = models.batch("gpt", seed=100 * s + dist.get_rank(), batch_size=2, model=model)
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
-        sched.step()
+def _decay(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+
+
+SCHEDULED = dict(lr=LR, weight_decay=0.1, scheduler=_decay, size=2)
+
+
+def _state_and_lrs(engine):
     return engine.full_state_dict(), [g["lr"] for g in engine.param_groups]
-
-
-def _reference_with_scheduler(world_size, steps):
-    model = models.build("gpt", seed=0, dtype=torch.float64)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    for s in range(steps):
-        xs, ys = zip(*[models.batch("gpt", seed=100 * s + r, batch_size=2, model=model) for r in range(world_size)])
-        model(torch.cat(xs), torch.cat(ys)).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    return {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 @pytest.mark.parametrize("stage,offload", ALL)
 def test_lr_scheduler_works_unchanged(clusters, stage, offload):
     """torch.optim.lr_scheduler on engine.optimizer, float64, 3 steps with a decaying LR: equal to one
     process with the same scheduler (1e-10): the schedule reaches what each rank really steps."""
-    expected = _reference_with_scheduler(2, 3)
-    for state, lrs in clusters(2).run(_with_scheduler, stage, offload, 3):
+    expected = reference("gpt", 2, 3, **SCHEDULED)
+    trained = clusters(2).run(train, "gpt", 3, stage=stage, offload=offload, bucket_bytes=40000,
+                              finish=_state_and_lrs, **SCHEDULED)
+    for state, lrs in trained:
         assert lrs and all(lr == pytest.approx(LR / 4) for lr in lrs), lrs
-        for name, want in expected.items():
-            torch.testing.assert_close(state[name], want, rtol=1e-10, atol=1e-10,
-                                       msg=lambda m: f"stage {stage} {offload}, {name}: {m}")
+    assert_params([state for state, _ in trained], expected, f"stage {stage} {offload}", rtol=1e-10, atol=1e-10)
 
 
 class SharedChildren(nn.Module):
@@ -91,46 +77,34 @@ class SharedChildren(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def _shared_model():
-    torch.manual_seed(0)
-    return SharedChildren().double()
+def _shared_children(dtype=torch.float64, vocab_size=32, seq_len=8):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return SharedChildren(vocab=vocab_size).to(dtype)
 
 
-def _data(step, rank):
-    g = torch.Generator().manual_seed(10 * step + rank)
-    t = torch.randint(0, 32, (4, 9), generator=g)
-    return t[:, :-1], t[:, 1:]
+# The model and its data: next-token data as TinyGPT's ("gpt"), over SharedChildren's vocabulary.
+SHARED = dict(lr=LR, builder=_shared_children, model_kw=dict(vocab_size=32, seq_len=8))
 
 
-def _shared_default_units(offload, steps):
-    model = _shared_model()
-    engine = zerolab.initialize(model, stage=3, offload=offload, lr=LR)
-    units = {u.name: sorted(n for n, p in model.named_parameters() if any(p is q for q in u.flat.params))
+def _units_and_state(engine):
+    units = {u.name: sorted(n for n, p in engine.module.named_parameters() if any(p is q for q in u.flat.params))
              for u in engine.units}
-    for s in range(steps):
-        engine.backward(engine(*_data(s, dist.get_rank())))
-        engine.step()
-        engine.zero_grad()
     return units, engine.full_state_dict()
 
 
 @pytest.mark.parametrize("offload", [None, "optimizer"])
 def test_default_units_put_a_weight_shared_by_two_children_in_the_root(clusters, offload):
-    model = _shared_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for s in range(3):
-        xs, ys = zip(*[_data(s, r) for r in range(2)])
-        model(torch.cat(xs), torch.cat(ys)).backward()
-        opt.step()
-        opt.zero_grad()
-    for units, state in clusters(2).run(_shared_default_units, offload, 3):
+    expected = reference("gpt", 2, 3, **SHARED)
+    trained = clusters(2).run(train, "gpt", 3, stage=3, offload=offload, finish=_units_and_state, **SHARED)
+    for units, state in trained:
         assert units == {"root": ["emb.weight"], "mid": ["mid.bias", "mid.weight"]}, units
-        for name, p in model.named_parameters(remove_duplicate=False):
-            torch.testing.assert_close(state[name], p.detach(), rtol=1e-10, atol=1e-10)
+    assert_params([state for _, state in trained], expected, f"default units, offload {offload}", rtol=1e-10,
+                  atol=1e-10)
 
 
 def _named_units_still_refused():
-    model = _shared_model()
+    model = _shared_children()
     try:
         zerolab.initialize(model, stage=3, units=[model.emb, model.head])
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """CPU offload (zerolab.offload, ZeRO-Offload arXiv 2101.06840) against independent references:
-the non-offloaded stage engines (themselves tested against one process in test_zero12.py), a
-single-process float64 AdamW on the global batch, a single-process one-step-stale AdamW for the
-delayed parameter update, and the closed-form placement of ZeRO-Offload (device 2Ψ; host 2Ψ/N of
+the non-offloaded stage engines (themselves tested against one process in test_zero12.py), the
+single-process float64 AdamW on the global batch of tests/reference.py and its one-step-stale variant
+for the delayed parameter update, and the closed-form placement of ZeRO-Offload (device 2Ψ; host 2Ψ/N of
 gradients + KΨ/N of optimizer state; 2Ψ/N bytes each way per step). GPU tests (real
 torch.cuda.max_memory_allocated savings, pinned host buffers) are skipped without CUDA.
 """
@@ -9,63 +9,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import zerolab
+from helpers import assert_params
+from reference import batch, build, reference, train
 from zerolab import models
 from zerolab.memory import model_state_placement
 
 LR = 1e-3
-B = 4
 
 
-def _batch(name, step, rank, micro=0):
-    return models.batch(name, seed=1000 * step + 10 * rank + micro, batch_size=B)
-
-
-def _engine(name, stage, *, dtype, param_dtype=None, offload=None, bucket_bytes="small", **kw):
-    import zerolab.engine
-    if bucket_bytes == "small":                        # several buckets in stage 2
-        bucket_bytes = 3000 if name == "mlp" else 40000
-    model = models.build(name, seed=0, dtype=dtype)
-    return zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype, offload=offload,
-                                     bucket_bytes=bucket_bytes, **kw)
-
-
-def train(name, stage, steps, *, dtype=torch.float32, param_dtype=None, offload=None, micro=1,
-          no_sync=False, delayed=False, **kw):
-    """On every rank: train ``steps`` steps, return the full state dict (and the device params)."""
-    engine = _engine(name, stage, dtype=dtype, param_dtype=param_dtype, offload=offload, **kw)
-    if delayed:
-        engine.delayed_update = True
-    cdt = param_dtype or dtype
-    for s in range(steps):
-        for m in range(micro):
-            x, y = _batch(name, s, dist.get_rank(), m)
-            x = x.to(cdt) if x.is_floating_point() else x
-            y = y.to(cdt) if y.is_floating_point() else y
-            if no_sync and m < micro - 1:
-                with engine.no_sync():
-                    engine.backward(engine(x, y) / micro)
-            else:
-                engine.backward(engine(x, y) / micro)
-        engine.step()
-        engine.zero_grad()
-    # stage 3: the module's parameters are views of freed storage between steps (only shards persist)
-    device = {} if stage == 3 else {n: p.detach().clone()
-                                    for n, p in engine.module.named_parameters(remove_duplicate=False)}
-    return engine.full_state_dict(), device
-
-
-def _states_equal(a, b, what):
-    for rank, (sa, sb) in enumerate(zip(a, b)):
-        for k in sb:
-            assert torch.equal(sa[k], sb[k]), (f"{what}: rank {rank}, {k}: largest difference "
-                                               f"{(sa[k].double() - sb[k].double()).abs().max().item():.3g}")
-
-
-def _states_close(a, b, atol, rtol, what):
-    for rank, (sa, sb) in enumerate(zip(a, b)):
-        for k in sb:
-            torch.testing.assert_close(sa[k], sb[k].to(sa[k].dtype), atol=atol, rtol=rtol,
-                                       msg=lambda m: f"{what}: rank {rank}, {k}: {m}")
+def _buckets(name):
+    """Several buckets in stage 2."""
+    return 3000 if name == "mlp" else 40000
 
 
 def _three_ways():
@@ -74,8 +29,9 @@ def _three_ways():
     for name in ("mlp", "gpt"):
         for stage in (1, 2, 3):
             for pdt in (None, torch.bfloat16):
-                out[name, stage, pdt] = [train(name, stage, 2, param_dtype=pdt, **kw)[0] for kw in
-                                         ({}, {"offload": "optimizer", "fused": False}, {"offload": "optimizer"})]
+                ways = ({}, {"offload": "optimizer", "fused": False}, {"offload": "optimizer"})
+                out[name, stage, pdt] = [train(name, 2, stage=stage, dtype=torch.float32, param_dtype=pdt, lr=LR,
+                                               bucket_bytes=_buckets(name), **kw) for kw in ways]
     return out
 
 
@@ -90,34 +46,9 @@ def test_same_parameters_as_the_stage_without_offload(clusters, world_size):
     for (name, stage, pdt) in per_rank[0]:
         what = f"{name} stage {stage} {pdt or 'fp32'} N={world_size}"
         plain, same_kernel, fused = zip(*[r[name, stage, pdt] for r in per_rank])
-        _states_equal(same_kernel, plain, what + " offload (for-loop AdamW)")
+        assert_params(same_kernel, plain, what + " offload (for-loop AdamW)", exact=True)
         tol = 1e-5 if pdt is None else 1e-2
-        _states_close(fused, plain, tol, tol, what + " offload (fused AdamW)")
-
-
-def reference(name, world_size, steps, *, micro=1, stale=False):
-    """One process, float64, one AdamW over the trainable parameters on the global batch. stale=True:
-    the delayed parameter update, p_t = p_{t-1} - u(g_t(p_{t-2})) with p_{-1} = p_0."""
-    model = models.build(name, seed=0, dtype=torch.float64)
-    trainable = [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR)
-    behind = [p.detach().clone() for p in trainable]            # the parameters the device computes on
-    for s in range(steps):
-        now = [p.detach().clone() for p in trainable]
-        if stale:
-            with torch.no_grad():
-                for p, q in zip(trainable, behind):
-                    p.copy_(q)                                  # gradient at the one-update-old params
-        xs, ys = zip(*[_batch(name, s, r, m) for r in range(world_size) for m in range(micro)])
-        cast = lambda t: t.double() if t.is_floating_point() else t
-        model(cast(torch.cat(xs)), cast(torch.cat(ys))).backward()
-        with torch.no_grad():
-            for p, q in zip(trainable, now):
-                p.copy_(q)                                      # the update applies to the newest params
-        opt.step()
-        opt.zero_grad()
-        behind = now
-    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}, behind, trainable, model
+        assert_params(fused, plain, what + " offload (fused AdamW)", atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -126,19 +57,19 @@ def test_float64_equals_one_process_with_accumulation(clusters, world_size):
     reduction, which sends each micro-batch's shard to the host and ADDS it there): equal to one
     process on the global batch to 1e-10."""
     c = clusters(world_size)
-    expected = reference("gpt", world_size, 3, micro=2)[0]
+    expected = reference("gpt", world_size, 3, micro=2, lr=LR)
     for stage, no_sync in ((1, True), (2, True), (2, False), (3, False)):
-        states = [s for s, _ in c.run(train, "gpt", stage, 3, dtype=torch.float64, offload="optimizer",
-                                      micro=2, no_sync=no_sync)]
-        _states_close(states, [expected] * world_size, 1e-10, 1e-10, f"stage {stage} no_sync={no_sync}")
+        states = c.run(train, "gpt", 3, stage=stage, offload="optimizer", lr=LR, bucket_bytes=_buckets("gpt"),
+                       micro=2, no_sync=no_sync)
+        assert_params(states, expected, f"stage {stage} no_sync={no_sync}", atol=1e-10, rtol=1e-10)
 
 
 def _placement(stage, param_dtype):
     kw = {"units": []} if stage == 3 else {}                 # stage 3: one unit, the root
-    engine = _engine("gpt", stage, dtype=torch.float32, param_dtype=param_dtype, offload="optimizer",
-                     bucket_bytes=None, **kw)                 # one flat buffer: the formula's padding
+    engine = zerolab.initialize(build("gpt", torch.float32), stage=stage, lr=LR, param_dtype=param_dtype,
+                                offload="optimizer", bucket_bytes=None, **kw)  # one flat buffer: the formula's padding
     before = dict(engine.host_traffic())
-    x, y = _batch("gpt", 0, dist.get_rank())
+    x, y = batch("gpt", 0, dist.get_rank())
     engine.backward(engine(x, y))
     device_grads_after_backward = sum(t.numel() * t.element_size() for t in engine.state_tensors()["grads"]
                                       if t is not None)
@@ -183,40 +114,45 @@ def test_placement_by_role_matches_zero_offload(clusters, world_size):
                     assert got["device_grads"] == word * shard * n, what
 
 
-def _dpu(steps, name="gpt", stage=2):
-    engine = _engine(name, stage, dtype=torch.float64, offload="optimizer")
-    engine.delayed_update = True
-    for s in range(steps):
-        x, y = _batch(name, s, dist.get_rank())
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
-    if stage == 3:                      # parameters are shards: what the device computes with is a loss
+def _dpu_result(engine):
+    """After training with the delayed update: the masters, what the device computes with, and the
+    same after flush(). Stage 3's parameters are shards between steps: there, a loss tells."""
+    if engine.stage == 3:
         master = engine.full_state_dict()
-        x, y = _batch(name, 99, 0)
+        x, y = batch("gpt", 99, 0)
         with torch.no_grad():
             before = engine(x, y).item()
             engine.flush()
             return master, before, engine(x, y).item()
-    device = [p.detach().clone() for p in dict.fromkeys(engine.module.parameters()) if p.requires_grad]
+    device = {n: p.detach().clone() for n, p in engine.module.named_parameters(remove_duplicate=False)}
     master = engine.full_state_dict()
     engine.flush()
     flushed = {n: p.detach().clone() for n, p in engine.module.named_parameters(remove_duplicate=False)}
     return master, device, flushed
 
 
+def _dpu(cluster, stage, steps):
+    return cluster.run(train, "gpt", steps, stage=stage, offload="optimizer", delayed=True, lr=LR,
+                       bucket_bytes=_buckets("gpt"), finish=_dpu_result)
+
+
+def _loss(state, x, y):
+    """The loss of TinyGPT holding ``state``."""
+    model = build("gpt")
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model(x, y).item()
+
+
 def test_delayed_parameter_update_at_stage_3(clusters):
     """DPU at stage 3 + offload, float64: the master equals the stale AdamW, the device computes one
     update behind until flush(), then with the newest parameters (losses equal a reference model's)."""
-    out = clusters(2).run(_dpu, 4, "gpt", 3)
-    stale, behind, trainable, model = reference("gpt", 2, 4, stale=True)
-    _states_close([m for m, _, _ in out], [stale] * 2, 1e-10, 1e-10, "stage 3 DPU master vs stale AdamW")
-    x, y = _batch("gpt", 99, 0)
-    with torch.no_grad():
-        newest = model(x, y).item()                     # the reference model holds the newest params
-        for p, q in zip(trainable, behind):
-            p.copy_(q)
-        one_behind = model(x, y).item()
+    out = _dpu(clusters(2), 3, 4)
+    stale = reference("gpt", 2, 4, stale=True, lr=LR)
+    behind = reference("gpt", 2, 3, stale=True, lr=LR)  # what the device computes with after step 4
+    assert_params([m for m, _, _ in out], stale, "stage 3 DPU master vs stale AdamW", atol=1e-10, rtol=1e-10)
+    x, y = batch("gpt", 99, 0)
+    newest, one_behind = _loss(stale, x, y), _loss(behind, x, y)
     for rank, (_, before, after) in enumerate(out):
         assert before == pytest.approx(one_behind, abs=1e-10), f"rank {rank}: not one update behind"
         assert after == pytest.approx(newest, abs=1e-10), f"rank {rank}: flush() did not bring the newest"
@@ -228,17 +164,15 @@ def test_delayed_parameter_update_is_one_step_stale(clusters, world_size):
     gradients taken one update behind (p_t = p_{t-1} - u(g_t(p_{t-2}))) to 1e-10, NOT plain AdamW;
     the device computes on the params one update behind; flush() brings the device up to date."""
     c = clusters(world_size)
-    out = c.run(_dpu, 4)
-    stale, behind, _, model = reference("gpt", world_size, 4, stale=True)
-    fresh = reference("gpt", world_size, 4)[0]
-    _states_close([m for m, _, _ in out], [stale] * world_size, 1e-10, 1e-10, "DPU master vs stale AdamW")
+    out = _dpu(c, 2, 4)
+    stale = reference("gpt", world_size, 4, stale=True, lr=LR)
+    behind = reference("gpt", world_size, 3, stale=True, lr=LR)  # what the device computes with after step 4
+    fresh = reference("gpt", world_size, 4, lr=LR)
+    assert_params([m for m, _, _ in out], stale, "DPU master vs stale AdamW", atol=1e-10, rtol=1e-10)
     gap = max((out[0][0][k] - fresh[k]).abs().max().item() for k in fresh)
     assert gap > 1e-6, f"DPU result equals plain AdamW (max diff {gap:.3g}): the update was not delayed"
-    for rank, (_, device, flushed) in enumerate(out):
-        for i, (d, q) in enumerate(zip(device, behind)):
-            torch.testing.assert_close(d, q, atol=1e-10, rtol=1e-10,
-                                       msg=lambda m: f"rank {rank}: device param {i} is not one update behind: {m}")
-        _states_close([flushed], [stale], 1e-10, 1e-10, f"rank {rank}: device params after flush()")
+    assert_params([d for _, d, _ in out], behind, "device params, one update behind", atol=1e-10, rtol=1e-10)
+    assert_params([f for _, _, f in out], stale, "device params after flush()", atol=1e-10, rtol=1e-10)
 
 
 def test_host_optimizer_fused_and_fallback():
@@ -260,7 +194,8 @@ def test_host_optimizer_fused_and_fallback():
 
 
 def _bad_delayed():
-    engine = _engine("mlp", 2, dtype=torch.float32, offload="optimizer")
+    engine = zerolab.initialize(build("mlp", torch.float32), stage=2, offload="optimizer", lr=LR,
+                                bucket_bytes=_buckets("mlp"))
     try:
         engine.delayed_update = "yes"
     except ValueError as exc:
@@ -348,7 +283,7 @@ def _cuda_equal():
         model = models.build("gpt", seed=0).to(dev)
         engine = _cuda_engine(model, offload, bucket_bytes=20000)
         for s in range(3):
-            x, y = (t.to(dev) for t in _batch("gpt", s, dist.get_rank()))
+            x, y = (t.to(dev) for t in batch("gpt", s, dist.get_rank()))
             engine.backward(engine(x, y))
             engine.step()
             engine.zero_grad()
@@ -363,4 +298,4 @@ def test_gpu_offload_trains_like_the_device_optimizer(clusters):
     parameters after 3 bf16 steps within bf16 tolerance (a missing synchronisation would read stale
     or half-copied gradients and break this)."""
     plain, off = clusters(1).run(_cuda_equal)[0]
-    _states_close([off], [plain], 1e-2, 1e-2, "CUDA stage 2 offload vs device optimizer")
+    assert_params([off], plain, "CUDA stage 2 offload vs device optimizer", atol=1e-2, rtol=1e-2)

@@ -1,6 +1,6 @@
 """ZeRO-1 and ZeRO-2 (zerolab.zero1, zerolab.zero2, zerolab.shard_optim) against independent references:
-single-process training on the concatenated global batch (float64: ~1e-12; fp32: tight; bf16: a
-single-process bf16-mixed baseline written here), torch's ZeroRedundancyOptimizer, closed-form
+single-process training on the concatenated global batch (tests/reference.py; float64: ~1e-12;
+fp32: tight; bf16: its bf16-mixed variant), torch's ZeroRedundancyOptimizer, closed-form
 memory (ZeRO paper arXiv 1910.02054: 4Ψ + KΨ/N and 2Ψ + (2+K)Ψ/N) and closed-form bytes on the wire.
 """
 import math
@@ -9,74 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import assert_params
+from reference import batch, reference, train
 from zerolab import models
 
 LR = 1e-3
-B = 4  # per-rank micro-batch
-
-
-def _batch(name, step, rank, micro, dtype):
-    x, y = models.batch(name, seed=1000 * step + 10 * rank + micro, batch_size=B)
-    return (x.to(dtype), y.to(dtype)) if x.is_floating_point() else (x, y)
-
-
-def reference(name, world_size, steps, *, dtype=torch.float64, micro=1, mixed=False):
-    """Single process, one AdamW over the trainable parameters, loss on the global batch of every
-    rank's micro-batches. mixed=True: bf16 model, fp32 master + moments (bf16-mixed baseline)."""
-    model = models.build(name, seed=0, dtype=torch.float32 if mixed else dtype)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    master = [p.detach().clone() for p in trainable] if mixed else trainable
-    opt = torch.optim.AdamW(master, lr=LR)
-    if mixed:
-        model.to(torch.bfloat16)
-    cdt = torch.bfloat16 if mixed else dtype
-    for s in range(steps):
-        xs, ys = zip(*[_batch(name, s, r, m, cdt) for r in range(world_size) for m in range(micro)])
-        model(torch.cat(xs), torch.cat(ys)).backward()
-        with torch.no_grad():
-            if mixed:
-                for m_, p in zip(master, trainable):
-                    m_.grad, p.grad = p.grad.float(), None
-            opt.step()
-            opt.zero_grad()
-            if mixed:
-                for m_, p in zip(master, trainable):
-                    p.copy_(m_)
-    names = {id(p): n for n, p in model.named_parameters()}
-    out = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    out.update({names[id(p)]: m_.detach().clone() for m_, p in zip(master, trainable)})
-    return out
-
-
-def train(name, stage, steps, *, dtype=torch.float64, param_dtype=None, bucket_bytes=None,
-          micro=1, accumulate="no_sync", reduce_impl=None):
-    """On every rank: the engine trained for ``steps`` steps; returns its full state dict."""
-    import zerolab.engine
-    rank = dist.get_rank()
-    model = models.build(name, seed=0, dtype=dtype)
-    engine = zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype,
-                                bucket_bytes=bucket_bytes, reduce_impl=reduce_impl)
-    cdt = param_dtype or dtype
-    for s in range(steps):
-        for m in range(micro):
-            x, y = _batch(name, s, rank, m, cdt)
-            last = m == micro - 1
-            if accumulate == "no_sync" and not last:
-                with engine.no_sync():
-                    engine.backward(engine(x, y) / micro)
-            else:
-                engine.backward(engine(x, y) / micro)
-        engine.step()
-        engine.zero_grad()
-    return engine.full_state_dict()
-
-
-def _compare(states, expected, atol, rtol, what):
-    for rank, state in enumerate(states):
-        assert state.keys() == expected.keys()
-        for k, v in expected.items():
-            torch.testing.assert_close(state[k], v.to(state[k].dtype), atol=atol, rtol=rtol,
-                                       msg=lambda m: f"{what}: rank {rank}, {k}: {m}")
+EXACT = dict(atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -85,10 +23,10 @@ def test_equals_single_process_float64(clusters, world_size):
     embedding/head), one bucket and several: float64 parameters equal the reference to ~1e-12."""
     c = clusters(world_size)
     for name in ("mlp", "gpt"):
-        expected = reference(name, world_size, 3)
+        expected = reference(name, world_size, 3, lr=LR)
         for stage, bucket_bytes in ((1, None), (2, None), (2, 3000)):
-            states = c.run(train, name, stage, 3, bucket_bytes=bucket_bytes)
-            _compare(states, expected, 1e-10, 1e-10, f"{name} stage {stage} buckets {bucket_bytes}")
+            states = c.run(train, name, 3, stage=stage, lr=LR, bucket_bytes=bucket_bytes)
+            assert_params(states, expected, f"{name} stage {stage} buckets {bucket_bytes}", **EXACT)
 
 
 def _l2(a, b):
@@ -102,14 +40,15 @@ def test_fp32_and_both_reduce_scatters(clusters, world_size):
     yardstick is the float64 reference: ZeRO in fp32 must be as accurate as single-process fp32
     (L2 distance at most 2x; measured: 0.6-1x), and within 5e-5 (5% of one lr step) of it elementwise."""
     c = clusters(world_size)
-    exact = reference("gpt", world_size, 3, dtype=torch.float64)
-    single = reference("gpt", world_size, 3, dtype=torch.float32)
+    exact = reference("gpt", world_size, 3, dtype=torch.float64, lr=LR)
+    single = reference("gpt", world_size, 3, dtype=torch.float32, lr=LR)
     for stage in (1, 2):
         for impl in ("torch", "ring"):
-            states = c.run(train, "gpt", stage, 3, dtype=torch.float32, bucket_bytes=20000, reduce_impl=impl)
+            states = c.run(train, "gpt", 3, stage=stage, dtype=torch.float32, lr=LR, bucket_bytes=20000,
+                           reduce_impl=impl)
             for rank, state in enumerate(states):
                 assert _l2(state, exact) <= 2 * _l2(single, exact), (stage, impl, rank)
-            _compare(states, single, 5e-5, 1e-5, f"fp32 stage {stage} {impl}")
+            assert_params(states, single, f"fp32 stage {stage} {impl}", atol=5e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -118,17 +57,18 @@ def test_gradient_accumulation(clusters, world_size):
     micro-batch into the gradient shard (DeepSpeed's way) equal one step on all 3*N micro-batches."""
     c = clusters(world_size)
     for name in ("mlp", "gpt"):
-        expected = reference(name, world_size, 2, micro=3)
+        expected = reference(name, world_size, 2, micro=3, lr=LR)
         for stage, mode in ((1, "no_sync"), (2, "no_sync"), (2, "every_backward")):
-            states = c.run(train, name, stage, 2, micro=3, accumulate=mode, bucket_bytes=3000)
-            _compare(states, expected, 1e-10, 1e-10, f"{name} stage {stage} accumulation {mode}")
+            states = c.run(train, name, 2, stage=stage, lr=LR, micro=3, no_sync=mode == "no_sync",
+                           bucket_bytes=3000)
+            assert_params(states, expected, f"{name} stage {stage} accumulation {mode}", **EXACT)
 
 
 def _double_sync():
     import zerolab.engine
     model = models.build("mlp", seed=0)
     engine = zerolab.initialize(model, stage=1, lr=LR)
-    x, y = _batch("mlp", 0, dist.get_rank(), 0, torch.float32)
+    x, y = batch("mlp", 0, dist.get_rank(), dtype=torch.float32)
     engine.backward(engine(x, y))
     try:
         engine.backward(engine(x, y))
@@ -152,11 +92,11 @@ def test_bf16_mixed_precision(clusters, world_size):
     steps = 5
     c = clusters(world_size)
     for name in ("mlp", "gpt"):
-        expected = reference(name, world_size, steps, mixed=True)
+        expected = reference(name, world_size, steps, param_dtype=torch.bfloat16, lr=LR)
         init = {k: v.detach() for k, v in models.build(name, seed=0).named_parameters()}
         for stage in (1, 2):
-            states = c.run(train, name, stage, steps, dtype=torch.float32, param_dtype=torch.bfloat16,
-                           bucket_bytes=3000)
+            states = c.run(train, name, steps, stage=stage, dtype=torch.float32, param_dtype=torch.bfloat16,
+                           lr=LR, bucket_bytes=3000)
             for rank, state in enumerate(states):
                 moved = math.sqrt(sum(float((expected[k] - init[k]).double().pow(2).sum()) for k in init))
                 err = math.sqrt(sum(float((state[k] - expected[k]).double().pow(2).sum()) for k in init))
@@ -184,7 +124,7 @@ def _with_zero_redundancy_optimizer(steps):
     # A learning-rate schedule on the wrapper must reach the shard optimizer.
     schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (ours, ref)]
     for s in range(steps):
-        x, y = _batch("gpt", s, rank, 0, torch.float64)
+        x, y = batch("gpt", s, rank)
         plain(x, y).backward()           # no DDP: Zero1Optimizer averages the gradients itself
         ours.step()
         ours.zero_grad()
@@ -203,7 +143,7 @@ def _with_zero_redundancy_optimizer(steps):
 
 def test_equals_zero_redundancy_optimizer(clusters):
     for ours, theirs, engine in clusters(3).run(_with_zero_redundancy_optimizer, 3):
-        _compare([ours, engine], theirs, 1e-10, 1e-10, "vs torch ZeroRedundancyOptimizer")
+        assert_params([ours, engine], theirs, "vs torch ZeroRedundancyOptimizer", **EXACT)
 
 
 def _memory(stage, param_dtype, bucket_bytes):
@@ -212,7 +152,7 @@ def _memory(stage, param_dtype, bucket_bytes):
     model = models.build("mlp", seed=0)
     engine = zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype,
                                        bucket_bytes=bucket_bytes)
-    x, y = _batch("mlp", 0, rank, 0, param_dtype or torch.float32)
+    x, y = batch("mlp", 0, rank, dtype=param_dtype or torch.float32)
     engine.backward(engine(x, y))
     engine.step()                      # Adam's moments exist from the first step on
     report = engine.memory_report()
@@ -259,18 +199,15 @@ def test_memory_equals_formula_plus_padding(clusters, world_size):
                            for rep in reports) == N * b * psi + (b + K) * psi
 
 
-def _comm(stage, impl, param_dtype):
-    import zerolab.engine
-    model = models.build("gpt", seed=0)
-    engine = zerolab.initialize(model, stage=stage, lr=LR, param_dtype=param_dtype, bucket_bytes=None,
-                                reduce_impl=impl)
-    x, y = _batch("gpt", 0, dist.get_rank(), 0, torch.float32)
-    for _ in range(2):  # the second step is the measured one (connections warm)
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
+def _comm_report(engine):
     log = engine.last_step_comm
     return log.by_op(), log.sent_bytes, log.ideal_bytes, log.measured_bytes
+
+
+def _comm(stage, impl, param_dtype):
+    """Two steps; the second is the measured one (connections warm)."""
+    return train("gpt", 2, stage=stage, dtype=torch.float32, param_dtype=param_dtype, lr=LR,
+                 bucket_bytes=None, reduce_impl=impl, finish=_comm_report)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -307,7 +244,7 @@ def _zero2_during_backward(stage, impl):
 
     zerolab.engine.reduce_scatter = spy
     try:
-        x, y = _batch("gpt", 0, dist.get_rank(), 0, torch.float32)
+        x, y = batch("gpt", 0, dist.get_rank())
         engine.backward(engine(x, y))
     finally:
         zerolab.engine.reduce_scatter = real
@@ -434,42 +371,23 @@ def test_graded_checks_reject_naive_implementations(clusters, tmp_path):
     assert v["check_no_full_gradient"].startswith("failed"), v
 
 
-def _unused_param_training(stage, steps):
+def _mlp_with_unused(dtype):
     """ToyMLP plus a Linear that forward never uses: its gradient is zero (as in DeepSpeed;
     torch's own optimizers would skip a None grad instead, weight decay included)."""
-    import zerolab.engine
-    rank = dist.get_rank()
-    model = models.build("mlp", seed=0, dtype=torch.float64)
-    torch.manual_seed(1)
-    model.unused = torch.nn.Linear(3, 3).double()
-    engine = zerolab.initialize(model, stage=stage, lr=LR, bucket_bytes=500)
-    for s in range(steps):
-        x, y = _batch("mlp", s, rank, 0, torch.float64)
-        engine.backward(engine(x, y))
-        engine.step()
-        engine.zero_grad()
-    return engine.full_state_dict()
+    model = models.build("mlp", seed=0, dtype=dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model.unused = torch.nn.Linear(3, 3).to(dtype)
+    return model
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_parameters_without_gradient_get_zero(clusters, stage):
     n, steps = 3, 3
-    model = models.build("mlp", seed=0, dtype=torch.float64)
-    torch.manual_seed(1)
-    model.unused = torch.nn.Linear(3, 3).double()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=LR)
-    for s in range(steps):
-        xs, ys = zip(*[_batch("mlp", s, r, 0, torch.float64) for r in range(n)])
-        model(torch.cat(xs), torch.cat(ys)).backward()
-        for p in trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad()
-    expected = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
-    states = clusters(n).run(_unused_param_training, stage, steps)
-    _compare(states, expected, 1e-10, 1e-10, f"stage {stage} with an unused parameter")
+    expected = reference("mlp", n, steps, lr=LR, builder=_mlp_with_unused)
+    assert "unused.weight" in expected
+    states = clusters(n).run(train, "mlp", steps, stage=stage, lr=LR, builder=_mlp_with_unused, bucket_bytes=500)
+    assert_params(states, expected, f"stage {stage} with an unused parameter", **EXACT)
 
 
 def test_zero2_layouts_by_hand():

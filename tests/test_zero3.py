@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import assert_params
-from zerolab import models
+from reference import batch, build, reference, train
 
 STEPS = 2
 MICRO = 4
@@ -17,38 +17,17 @@ GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
 LR = 1e-2
 
 
+def _setup(name, **model_kw):
+    """What the reference and the engine share: the model's size and the data's, and the lr."""
+    return dict(lr=LR, size=MICRO, model_kw=dict(GPT, **model_kw) if name == "gpt" else model_kw or None)
+
+
 def _build(name, dtype=torch.float64, **kw):
-    return models.build(name, seed=0, dtype=dtype, **dict(GPT if name == "gpt" else {}, **kw))
+    return build(name, dtype, model_kw=_setup(name, **kw)["model_kw"])
 
 
-def _data(name, model, step, rank, micro=0, dtype=torch.float64):
-    return models.batch(name, seed=1000 * step + 10 * rank + micro, batch_size=MICRO, model=model, dtype=dtype)
-
-
-def reference(name, world_size, dtype=torch.float64, accum=1, optimizer=torch.optim.AdamW, lr=LR):
-    """ONE process, no communication: the optimizer on the N x accum micro-batches concatenated."""
-    model = _build(name, dtype)
-    opt = optimizer([p for p in model.parameters() if p.requires_grad], lr=lr)
-    for step in range(STEPS):
-        parts = [_data(name, model, step, r, k, dtype) for r in range(world_size) for k in range(accum)]
-        opt.zero_grad()
-        model(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])).backward()
-        opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def train(name, dtype=torch.float64, *, stage=3, accum=1, param_dtype=None, optimizer=torch.optim.AdamW,
-          lr=LR, model_kw=None, **options):
-    from zerolab import initialize
-    model = _build(name, dtype, **(model_kw or {}))
-    engine = initialize(model, stage=stage, optimizer=optimizer, lr=lr, param_dtype=param_dtype, **options)
-    for step in range(STEPS):
-        for k in range(accum):
-            x, y = _data(name, model, step, dist.get_rank(), k, dtype)
-            engine.backward(engine(x, y) / accum)
-        engine.step()
-        engine.zero_grad()
-    return engine.full_state_dict()
+def _data(name, step, rank, micro=0, dtype=torch.float64):
+    return batch(name, step, rank, micro, size=MICRO, dtype=dtype, model_kw=_setup(name)["model_kw"])
 
 
 EXACT = dict(rtol=1e-10, atol=1e-12)
@@ -57,10 +36,10 @@ EXACT = dict(rtol=1e-10, atol=1e-12)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_float64_equals_single_process_and_stage0(clusters, world_size):
     for name in ("gpt", "mlp"):      # tied weights; frozen layer + a module called twice
-        expected = reference(name, world_size)
-        got = clusters(world_size).run(train, name)
+        expected = reference(name, world_size, STEPS, **_setup(name))
+        got = clusters(world_size).run(train, name, STEPS, stage=3, **_setup(name))
         assert_params(got, expected, f"{name} stage 3 vs single process", **EXACT)
-        dp = clusters(world_size).run(train, name, stage=0)
+        dp = clusters(world_size).run(train, name, STEPS, stage=0, **_setup(name))
         assert_params(got, dp[0], f"{name} stage 3 vs stage 0", **EXACT)
 
 
@@ -69,23 +48,25 @@ def test_float64_equals_single_process_and_stage0(clusters, world_size):
 def test_float64_variants(clusters, options):
     """No prefetch; torch's async reduce-scatter; small units kept whole; gradient accumulation."""
     accum = options.get("accum", 1)
+    engine_options = {k: v for k, v in options.items() if k != "accum"}
     for name in ("gpt", "mlp"):
-        got = clusters(3).run(train, name, **options)
-        assert_params(got, reference(name, 3, accum=accum), f"{name} {options}", **EXACT)
+        got = clusters(3).run(train, name, STEPS, stage=3, micro=accum, no_sync=False, **engine_options,
+                              **_setup(name))
+        assert_params(got, reference(name, 3, STEPS, micro=accum, **_setup(name)), f"{name} {options}", **EXACT)
 
 
 def test_float32_tight(clusters):
     for name in ("gpt", "mlp"):
-        got = clusters(2).run(train, name, torch.float32)
-        assert_params(got, reference(name, 2, dtype=torch.float32), f"{name} float32")
+        got = clusters(2).run(train, name, STEPS, stage=3, dtype=torch.float32, **_setup(name))
+        assert_params(got, reference(name, 2, STEPS, dtype=torch.float32, **_setup(name)), f"{name} float32")
 
 
 def test_mixed_precision_bf16(clusters):
     # SGD: an update lr x grad is often below bf16's resolution; only an fp32 master keeps it.
-    expected = reference("gpt", 2, dtype=torch.float32, optimizer=torch.optim.SGD, lr=0.1)
+    sgd = dict(_setup("gpt"), optimizer=torch.optim.SGD, lr=0.1)
+    expected = reference("gpt", 2, STEPS, dtype=torch.float32, **sgd)
     start = _build("gpt", torch.float32).state_dict()
-    got = clusters(2).run(train, "gpt", torch.float32, param_dtype=torch.bfloat16,
-                          optimizer=torch.optim.SGD, lr=0.1)
+    got = clusters(2).run(train, "gpt", STEPS, stage=3, dtype=torch.float32, param_dtype=torch.bfloat16, **sgd)
     for rank, state in enumerate(got):
         for n, t in expected.items():
             assert state[n].dtype == torch.float32
@@ -112,7 +93,7 @@ def _step_report(name, param_dtype=None, units=None, persist_numel=0, model_kw=N
     engine = initialize(model, stage=3, lr=LR, param_dtype=param_dtype, persist_numel=persist_numel,
                         reduce_impl=reduce_impl, **kw)
     for step in range(2):                 # the second step: optimizer state exists, log is a full step
-        x, y = _data(name, model, step, dist.get_rank(), dtype=torch.float32)
+        x, y = _data(name, step, dist.get_rank(), dtype=torch.float32)
         engine.backward(engine(x, y))
         engine.step()
     log = engine.last_step_comm
@@ -215,7 +196,7 @@ def _materialised_during_step(prefetch):
         block.register_forward_pre_hook(lambda m, a, i=i: seen.append(("fwd", f"blocks.{i}", live())))
         block.register_forward_hook(lambda m, a, o, i=i: seen.append(("after fwd", f"blocks.{i}", live())))
         block.qkv.weight.register_hook(lambda g, i=i: seen.append(("bwd", f"blocks.{i}", live())))
-    x, y = _data("gpt", model, 0, dist.get_rank(), dtype=torch.float32)
+    x, y = _data("gpt", 0, dist.get_rank(), dtype=torch.float32)
     loss = engine(x, y)
     after_forward = live()
     engine.backward(loss)
@@ -259,7 +240,7 @@ def _errors():
     model = _build("gpt", torch.float32)
     initialize(model, stage=3)
     try:
-        model(*_data("gpt", model, 0, 0, dtype=torch.float32))
+        model(*_data("gpt", 0, 0, dtype=torch.float32))
         out["module called directly"] = None
     except RuntimeError as exc:
         out["module called directly"] = str(exc)
@@ -288,7 +269,7 @@ def _fsdp2(name):
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     for step in range(STEPS):
-        model(*_data(name, model, step, dist.get_rank())).backward()
+        model(*_data(name, step, dist.get_rank())).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -297,15 +278,16 @@ def _fsdp2(name):
 @pytest.mark.parametrize("name", ["gpt", "mlp"])
 def test_float64_equals_fsdp2(clusters, name):
     fsdp2 = clusters(2).run(_fsdp2, name)
-    assert_params(fsdp2, reference(name, 2), f"{name} FSDP2 vs single process", **EXACT)
-    assert_params(clusters(2).run(train, name), fsdp2[0], f"{name} stage 3 vs FSDP2", **EXACT)
+    assert_params(fsdp2, reference(name, 2, STEPS, **_setup(name)), f"{name} FSDP2 vs single process", **EXACT)
+    assert_params(clusters(2).run(train, name, STEPS, stage=3, **_setup(name)), fsdp2[0], f"{name} stage 3 vs FSDP2",
+                  **EXACT)
 
 
 def _gather_tags(prefetch):
     from zerolab import comm, initialize
     model = _build("gpt", torch.float32, n_layers=3)
     engine = initialize(model, stage=3, lr=LR, prefetch=prefetch)
-    x, y = _data("gpt", model, 0, dist.get_rank(), dtype=torch.float32)
+    x, y = _data("gpt", 0, dist.get_rank(), dtype=torch.float32)
     with comm.log() as log:
         engine.backward(engine(x, y))
     return [(r.tag, r.seconds is None) for r in log.records if r.op == "all_gather"]
