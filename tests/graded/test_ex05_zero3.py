@@ -12,7 +12,6 @@ from zerolab.grade.helpers import assert_close, exercise_module
 # The reference implementation of this exercise: a submission that uses it scores 0
 # (checked before and while the tests run, by zerolab.grade.references).
 REFERENCE_MODULES = ["zerolab.zero3"]
-REFERENCE_ALLOWED = ["zerolab.zero3.Unit"]  # the type of the argument
 
 GPT = dict(vocab_size=64, d_model=32, n_layers=3, n_heads=2, seq_len=16)
 
