@@ -105,8 +105,8 @@ _COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce
 def point_to_point_only(what):
     """Inside the region torch's collectives raise, and p2p sends are counted.
 
-    Yields a dict: 'sent' (bytes this rank passed to send/isend), 'sends' (how many), and 'to' (the
-    destination of each send, global ranks, in call order). Patching the torch.distributed module
+    Yields a dict: 'sent' (bytes this rank passed to send/isend), 'sends' (how many), and 'to' (each
+    send's (destination global rank, bytes), in call order). Patching the torch.distributed module
     attributes catches calls made through ``dist.isend`` and through ``zerolab.comm`` alike.
     """
     import torch.distributed as dist
@@ -123,7 +123,7 @@ def point_to_point_only(what):
         def call(tensor, *args, **kwargs):
             counter["sent"] += tensor.numel() * tensor.element_size()
             counter["sends"] += 1
-            counter["to"].append(_peer(real, (tensor,) + args, kwargs, "dst"))
+            counter["to"].append((_peer(real, (tensor,) + args, kwargs, "dst"), tensor.numel() * tensor.element_size()))
             return real(tensor, *args, **kwargs)
         return call
 
