@@ -29,6 +29,7 @@ Checkpoints (:mod:`zerolab.checkpoint`) use only the public methods :meth:`Engin
 saves and loads without touching the checkpoint code.
 """
 import contextlib
+import hashlib
 import inspect
 import math
 import warnings
@@ -245,7 +246,7 @@ class OwnedGrads(NamedTuple):
 
 
 class Engine:
-    """What every stage provides. Subclasses implement ``_backward``, ``_step``, ``zero_grad``,
+    """What every stage provides. Subclasses implement ``_backward``, ``_step``, ``_zero_grad``,
     ``no_sync``, ``state_tensors``, ``_full_params``, ``param_slots``, ``reload_from_masters`` and
     ``owned_grads``, and set ``self.optimizer`` (a torch optimizer over what this rank steps). Their
     ``_step`` multiplies the gradients by ``self.inv_scale`` where they become the master's dtype."""
@@ -288,6 +289,8 @@ class Engine:
         self.scaler = make_scaler(loss_scale, group)    # None, or fp16's loss scale (mixed_precision)
         self.reduce_dtype = reduce_dtype                # None here: the stage fills in its compute dtype
         self.last_step_skipped = False
+        self._has_grads = False       # a backward() since the last zero_grad(): step() has work
+        self._warned_no_grads = False
         # Activation checkpointing (lesson 10): the modules whose forward is recomputed in backward.
         self.activation_checkpointing = activation_checkpointing
         self.checkpointed = activations.apply_checkpointing(module, activation_checkpointing, checkpoint_units)
@@ -338,12 +341,30 @@ class Engine:
         carries the scale, lifting fp16's small gradients above underflow)."""
         self._open_step_log()
         self._backward(loss if self.scaler is None else self.scaler.scale(loss))
+        self._has_grads = True
 
     def step(self):
         """One optimizer step on what this rank owns. With a loss scale: skipped on EVERY rank if any
         rank's gradients hold an inf or NaN (each rank checks its own shard, one all-reduce of a
-        flag), and the scale updated as torch.amp.GradScaler does (``self.scaler``)."""
+        flag), and the scale updated as torch.amp.GradScaler does (``self.scaler``).
+
+        With no ``backward()`` since ``zero_grad()`` (or since the engine was built) there is no
+        gradient at all, and the step is SKIPPED, with a warning the first time: nothing moves, the
+        optimizer state and ``steps`` stay. That is what torch's optimizers do, since they skip every
+        parameter whose ``.grad`` is None; stepping zero gradients instead would still move the
+        weights (AdamW's weight decay, momentum). Within a step that had a backward, a parameter that
+        got no gradient is stepped with a zero one, as in DeepSpeed (see :mod:`zerolab.zero1`).
+        ``step()`` twice without ``zero_grad()`` applies the kept gradients twice, as torch does."""
         self._open_step_log()
+        if not self._has_grads:
+            if not self._warned_no_grads:
+                self._warned_no_grads = True
+                warnings.warn("engine.step() with no backward() since zero_grad(): skipped, nothing to "
+                              "apply (torch's optimizers skip parameters without gradients)",
+                              UserWarning, stacklevel=2)
+            self.last_step_skipped = True
+            self._close_step_log()
+            return
         overflow = False
         if self.scaler is not None:
             grads = self.owned_grads()
@@ -380,6 +401,11 @@ class Engine:
         raise NotImplementedError
 
     def zero_grad(self):
+        """Drop the gradients (every stage: set to none or zeroed in place, see the stage)."""
+        self._zero_grad()
+        self._has_grads = False
+
+    def _zero_grad(self):
         raise NotImplementedError
 
     def owned_grads(self):
@@ -562,27 +588,70 @@ class ShardedEngine(Engine):
             comm.all_gather(flat.data, flat.shard(flat.data), group=self.group)
 
 
+def _digest(t):
+    """A digest of ``t``'s bytes (blake2b, 8 bytes in hex), or 'meta' for a tensor without data."""
+    if t.is_meta:
+        return "meta"
+    data = t.detach().reshape(-1).contiguous().cpu()
+    return hashlib.blake2b(data.view(torch.uint8).numpy(), digest_size=8).hexdigest() if data.numel() else "empty"
+
+
+def model_signature(model):
+    """What every rank's copy of the model must agree on, in order: each module's name and class,
+    each parameter's name, shape, dtype, requires_grad and a digest of its values (tied names
+    included, a tied pair digested once), each buffer's name, shape and dtype. [(what, name, value)]."""
+    sig, seen = [], {}
+    for name, m in model.named_modules():
+        sig.append(("module", name or "(model)", f"{type(m).__module__}.{type(m).__qualname__}"))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen[id(p)] = _digest(p)
+        sig.append(("parameter", name, f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"))
+        sig.append(("values of", name, seen[id(p)]))
+    for name, b in model.named_buffers():
+        sig.append(("buffer", name, f"shape {tuple(b.shape)}, {b.dtype}"))
+    return sig
+
+
+def _ranks(values):
+    """'rank 0' / 'ranks [0, 2]' for each distinct value: {value: text}."""
+    out = {}
+    for r, v in enumerate(values):
+        out.setdefault(v, []).append(r)
+    return {v: (f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}") for v, rs in out.items()}
+
+
 def check_same_model(model, group=None):
-    """Raise ValueError on every rank if the model's parameter shapes or values differ between
-    ranks (a model built from different seeds would otherwise train silently wrong). The check is
-    a few numbers per parameter tensor, reduced with MAX and MIN on the rank's device (NCCL
-    reduces only GPU tensors)."""
-    with torch.no_grad():
-        sig = torch.tensor([float(len(list(model.parameters())))]
-                           + [float(sum(p.numel() for p in model.parameters()))]
-                           + [float(p.double().sum()) for p in model.parameters()], dtype=torch.float64,
-                           device=rank_device())
-    n = torch.tensor([sig.numel()], dtype=torch.float64, device=rank_device())
-    hi, lo = n.clone(), n.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    if hi.item() != lo.item():
-        raise ValueError(f"the model differs across ranks: rank {dist.get_rank(group)} has "
-                         f"{int(n.item()) - 2} parameter tensors, others have a different count")
-    mx, mn = sig.clone(), sig.clone()
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=group)
-    if not torch.equal(mx, mn):
-        names = [n for (n, _), a, b in zip(model.named_parameters(), mx[2:], mn[2:]) if a != b]
-        raise ValueError(f"the model differs across ranks (different shapes or initial values; "
-                         f"build it from the same seed on every rank): {names[:5] or 'sizes'}")
+    """Raise ValueError on every rank if the model differs between ranks: module names and classes,
+    parameter names, shapes, dtypes and values (a digest of their bytes), buffer names, shapes and
+    dtypes (:func:`model_signature`). A model built from different seeds, transposed, in another
+    dtype or with other modules would otherwise train silently wrong, or abort the backend. The
+    message names the first difference and which ranks hold what. Cost: one all-reduce of two
+    int64 (a hash of the whole signature); only when they differ, an all_gather_object of the
+    signatures, to say where. Parameters on the meta device are compared without values."""
+    sig = model_signature(model)
+    h = int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=7).digest(), "big")
+    both = torch.tensor([h, -h], dtype=torch.int64, device=rank_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both[0].item() == h and -both[1].item() == h:
+        return                                          # max == min == h on every rank
+    n = dist.get_world_size(group)
+    sigs = [None] * n
+    dist.all_gather_object(sigs, sig, group=group)
+    differing_values = [name for i, (what, name, _) in enumerate(sigs[0])
+                        if what == "values of" and any(i >= len(s) or s[i] != sigs[0][i] for s in sigs)]
+    for i in range(max(map(len, sigs))):
+        entries = [s[i] if i < len(s) else ("end", "", "no more entries") for s in sigs]
+        if len(set(entries)) == 1:
+            continue
+        held = _ranks(entries)
+        if len({e[:2] for e in entries}) == 1:          # same entry, different value
+            what, name, _ = entries[0]
+            where = "; ".join(f"{e[2]} on {held[e]}" for e in dict.fromkeys(entries))
+            first = f"{what} {name!r}: {where}"
+        else:
+            first = "; ".join(f"{e[0]} {e[1]!r} ({e[2]}) on {held[e]}" for e in dict.fromkeys(entries))
+        more = f"; parameters whose values differ: {differing_values[:5]}" if differing_values else ""
+        raise ValueError(f"the model differs across ranks, first at {first}{more}. Build it the same way "
+                         f"on every rank (same code, same seed, same dtype), or load the same weights")
+    raise ValueError("the model differs across ranks (hash of its signature), but no entry differs")

@@ -311,10 +311,10 @@ class _Offload:
             h.wait()                      # the master is the newest state (a delayed update stays pending)
         return super().full_state_dict()
 
-    def zero_grad(self):
+    def _zero_grad(self):
         for h in self.host_optimizers():
             h.zero_grad()
-        super().zero_grad()
+        super()._zero_grad()
 
     def state_tensors(self):
         host = [h.state_tensors() for h in self.host_optimizers()]

@@ -66,7 +66,7 @@ class DataParallelEngine(Engine):
                     m.grad = None
                 self.reload_from_masters()
 
-    def zero_grad(self):
+    def _zero_grad(self):
         self.ddp.zero_grad()
 
     def no_sync(self):

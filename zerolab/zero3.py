@@ -331,7 +331,7 @@ class Zero3Engine(ShardedEngine):
         for u in self.units:
             u.stale = u.state != FREE            # a unit kept gathered is re-gathered at its next use
 
-    def zero_grad(self):
+    def _zero_grad(self):
         self.grad_shards = [None] * len(self.units)
 
     def no_sync(self):
