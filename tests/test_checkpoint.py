@@ -153,6 +153,23 @@ def _load_during_delayed_update(path):
     return train_engine("gpt", 2, stage=2, offload="optimizer", dtype=torch.float32, **LOOP, finish=then)
 
 
+@pytest.mark.parametrize("spec", ["1+offload", "2+offload", "3+offload"])
+def test_saving_during_a_delayed_update_changes_nothing_and_resumes_the_same_run(clusters, tmp_path, spec):
+    """Offload's delayed parameter update (one update stale) from the first step: saving after step
+    3 must not change steps 4-6 (it used to apply the pending update: 9.5e-3 apart after 3 steps),
+    and a run loaded from that checkpoint with the delayed update on must continue the same
+    trajectory, bit for bit, against the uninterrupted run (which tests/test_offload.py checks
+    against the single-process stale reference)."""
+    path = str(tmp_path / "ckpt")
+    kw = dict(dtype=torch.float32, delayed=True)
+    straight = clusters(2).run(train, spec, 6, **kw)
+    saving = clusters(2).run(train, spec, 6, save_at=3, path=path, **kw)
+    _check(saving, straight[0], f"{spec}: saved at step 3 along the way", exact=True)
+    assert checkpoint.read_metadata(path)["pending_update"] is True
+    _check(clusters(2).run(train, spec, 6, load=path, **kw), straight[0], f"{spec}: resumed from step 3",
+           exact=True)
+
+
 def test_load_waits_for_a_delayed_host_update(clusters, tmp_path):
     for rank, (saved, loaded, steps) in enumerate(clusters(2).run(_load_during_delayed_update, str(tmp_path))):
         assert steps == 2
@@ -185,6 +202,20 @@ def _copy(src, dst):
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst, checkpoint.read_metadata(dst)["files"]
+
+
+def test_an_edited_metadata_file_is_refused(saved, tmp_path):
+    import json
+    path, _ = _copy(saved, tmp_path / "edited")
+    meta = json.loads((path / checkpoint.METADATA).read_text())
+    meta["steps"] = 50                                  # a step count changed by hand
+    (path / checkpoint.METADATA).write_text(json.dumps(meta, indent=1))
+    with pytest.raises(CheckpointError, match="metadata.json does not match its own SHA-256 checksum"):
+        checkpoint.consolidate(path)
+    del meta["checksum"]
+    (path / checkpoint.METADATA).write_text(json.dumps(meta, indent=1))
+    with pytest.raises(CheckpointError, match=r"lacks \['checksum'\]"):
+        checkpoint.read_metadata(path)
 
 
 def test_missing_truncated_or_altered_shard_is_named(saved, tmp_path):

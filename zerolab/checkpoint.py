@@ -43,6 +43,7 @@ from zerolab.flat import unique_trainable
 FORMAT = "zerolab-checkpoint"
 VERSION = 1
 METADATA = "metadata.json"
+DEVICE = "device"          # a piece's compute-dtype values while a delayed update is pending
 _SHARD_FILE = re.compile(r"^step\d+-[0-9a-f]+-rank\d+-of-\d+\.pt(\.tmp)?$")
 
 
@@ -61,18 +62,21 @@ def _names(module):
 
 
 def _slots(engine):
-    """[(optimizer, master, [(name, lo, hi, offset)])]: each tensor an optimizer steps, with the
-    element ranges [lo, hi) of parameter ``name`` it holds, starting at ``offset`` in it, and whether
-    every rank holds the same (then rank 0 writes it). From the engine's public param_slots()."""
+    """[(optimizer, master, [(name, lo, hi, offset)], replicated, device)]: each tensor an optimizer
+    steps, with the element ranges [lo, hi) of parameter ``name`` it holds, starting at ``offset`` in
+    it, whether every rank holds the same (then rank 0 writes it), and the compute-dtype tensor that
+    may lag one update behind it (or None). From the engine's public param_slots()."""
     first, _ = _names(engine.module)
-    return [(s.optimizer, s.master, [(first[id(p)], lo, hi, off) for p, lo, hi, off in s.ranges], s.replicated)
-            for s in engine.param_slots()]
+    return [(s.optimizer, s.master, [(first[id(p)], lo, hi, off) for p, lo, hi, off in s.ranges], s.replicated,
+             s.device) for s in engine.param_slots()]
 
 
 def _owned(engine):
-    """{name: [(lo, hi, {"param": fp32 values, state key: values})]} of what this rank writes."""
+    """{name: [(lo, hi, {"param": fp32 values, state key: values})]} of what this rank writes; with
+    a delayed update pending, also "device": the compute-dtype values the model has, one update behind."""
     pieces = {}
-    for optimizer, master, ranges, replicated in _slots(engine):
+    pending = engine.update_pending
+    for optimizer, master, ranges, replicated, device in _slots(engine):
         if replicated and engine.rank != 0:
             continue                            # replicas: rank 0's copy is the checkpoint
         state = optimizer.state.get(master, {})
@@ -84,6 +88,8 @@ def _owned(engine):
             entry = {"param": m[off:off + n].clone()}   # fp32 master (fp64 for fp64 models)
             for k, v in flat_state.items():
                 entry[k] = v.clone() if v.dim() == 0 else v[off:off + n].clone()
+            if pending:
+                entry[DEVICE] = device.detach().reshape(-1)[off:off + n].clone()
             pieces.setdefault(name, []).append((lo, hi, entry))
     return pieces
 
@@ -166,7 +172,9 @@ def save(engine, path, *, client_state=None):
                    for p in unique_trainable(engine.module.parameters())},
         "aliases": {a: c for a, c in aliases.items() if a != c},
         "files": files,
+        "pending_update": bool(engine.update_pending),
     }
+    meta["checksum"] = _meta_checksum(meta)
     if rank == 0:
         _atomic_write(folder / METADATA, json.dumps(meta, indent=1).encode())   # the commit point
         keep = {f["name"] for f in files}
@@ -175,6 +183,12 @@ def save(engine, path, *, client_state=None):
                 old.unlink(missing_ok=True)
     dist.barrier(group=group)                   # returns when the checkpoint is complete
     return meta
+
+
+def _meta_checksum(meta):
+    """SHA-256 of the metadata without its "checksum" key, in a canonical JSON form."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -191,10 +205,13 @@ def read_metadata(path):
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{file}: format {meta.get('format')!r} version {meta.get('version')!r}, "
                               f"expected {FORMAT!r} version {VERSION}")
-    missing = [k for k in ("stage", "world_size", "steps", "optimizer", "params", "aliases", "files")
+    missing = [k for k in ("stage", "world_size", "steps", "optimizer", "params", "aliases", "files", "checksum")
                if k not in meta]
     if missing:
         raise CheckpointError(f"{file} lacks {missing}: not written by zerolab.checkpoint.save")
+    if meta["checksum"] != _meta_checksum(meta):
+        raise CheckpointError(f"{file} does not match its own SHA-256 checksum: it was edited by hand or "
+                              f"damaged (a changed step count or file list would load the wrong state)")
     return meta
 
 
@@ -269,11 +286,16 @@ def load(engine, path):
     meta, full, scalars, rank0 = _assemble(path)
     _check_compatible(engine, meta, rank0, path)      # before anything is written: all or nothing
     engine.quiesce()
+    slots = _slots(engine)
+    # saved during a delayed update: resume it (the model's values one update behind the masters)
+    # when this engine runs one too; otherwise the pending update is applied (masters everywhere)
+    resume_pending = bool(meta.get("pending_update")) and bool(getattr(engine, "delayed_update", False)) \
+        and all(device is not None for *_, device in slots)
     with torch.no_grad():
         states = {}                                                  # optimizer -> {index: state}
-        for optimizer, master, ranges, _ in _slots(engine):
+        for optimizer, master, ranges, _, device in slots:
             m = master.view(-1)
-            keysets = [set(full[n]) - {"param"} for n, *_ in ranges]
+            keysets = [set(full[n]) - {"param", DEVICE} for n, *_ in ranges]
             if any(k != keysets[0] for k in keysets):
                 raise CheckpointError(f"{path}: parameters sharing one optimizer tensor have different "
                                       f"optimizer state: {[n for n, *_ in ranges][:5]}")
@@ -281,6 +303,8 @@ def load(engine, path):
             state = {k: torch.zeros_like(m) for k in keys}          # padding elements stay zero
             for name, lo, hi, off in ranges:
                 m[off:off + hi - lo].copy_(full[name]["param"][lo:hi])
+                if resume_pending:
+                    device.view(-1)[off:off + hi - lo].copy_(full[name][DEVICE][lo:hi])
                 for k in keys:
                     state[k][off:off + hi - lo].copy_(full[name][k][lo:hi])
             index = [id(q) for g in optimizer.param_groups for q in g["params"]].index(id(master))
@@ -293,7 +317,7 @@ def load(engine, path):
             sd = optimizer.state_dict()
             sd["state"] = state              # torch casts it to each master's dtype and device
             optimizer.load_state_dict(sd)
-        engine.reload_from_masters()                                  # compute params = masters
+        engine.reload_from_masters(pending=resume_pending)            # compute params = masters
         named = dict(engine.module.named_parameters())
         for name, value in rank0["frozen"].items():
             named[name].copy_(value)

@@ -230,11 +230,14 @@ def traced(obj, after):
 class Slot:
     """One tensor an optimizer steps (``master``: the fp32 master, or the parameter itself) and the
     element ranges of parameters it holds: ``ranges`` = [(param, lo, hi, offset)], elements [lo, hi)
-    of ``param`` at ``offset`` in ``master``. ``replicated``: every rank holds the same (stage 0)."""
+    of ``param`` at ``offset`` in ``master``. ``replicated``: every rank holds the same (stage 0).
+    ``device``: the compute-dtype tensor (same layout as ``master``) the model reads, when it may lag
+    one update behind ``master`` (offload's delayed update: see :attr:`Engine.update_pending`)."""
     optimizer: torch.optim.Optimizer
     master: torch.Tensor
     ranges: list
     replicated: bool = False
+    device: torch.Tensor = None
 
 
 class OwnedGrads(NamedTuple):
@@ -430,14 +433,24 @@ class Engine:
         """[Slot] of every tensor this rank's optimizer steps (for checkpoints)."""
         raise NotImplementedError
 
-    def reload_from_masters(self):
+    def reload_from_masters(self, *, pending=False):
         """The masters were changed from outside (a checkpoint load): make the compute parameters
-        equal to them on every rank. A collective."""
+        equal to them on every rank. A collective. ``pending=True`` (engines with a delayed update
+        only): the caller has written each slot's ``device`` tensor, one update behind its master;
+        publish those and leave the update pending, as right after a delayed ``step()``."""
         raise NotImplementedError
+
+    @property
+    def update_pending(self):
+        """True while an optimizer update has reached the masters but not yet the parameters the
+        model computes with (offload's delayed update, between step() and the next step())."""
+        return False
 
     def quiesce(self):
         """Finish everything still in flight (asynchronous collectives, a delayed host update) so that
-        parameters, masters and optimizer state can be read or written. A collective."""
+        parameters, masters and optimizer state can be read or written. A collective. It never
+        changes training: a pending delayed update stays pending (the masters are then one update
+        ahead of the parameters, see :attr:`update_pending`; a checkpoint saves both)."""
 
     def padding_bytes(self):
         """Bytes of zero padding included in state_tensors() (flat buffers rounded up to N)."""
@@ -576,7 +589,9 @@ class ShardedEngine(Engine):
             slots.append(Slot(shard_optim.optimizer, shard_optim.master[i], ranges))
         return slots
 
-    def reload_from_masters(self):
+    def reload_from_masters(self, *, pending=False):
+        if pending:
+            raise ValueError(f"{type(self).__name__} has no delayed update: reload_from_masters(pending=True)")
         for shard_optim in dict.fromkeys(so for _, so, _ in self.shards()):
             shard_optim.write_back()               # fp32 master -> compute-dtype shard
         self._publish()
