@@ -33,6 +33,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import sys
 
 import torch
@@ -48,7 +49,8 @@ _SHARD_FILE = re.compile(r"^step\d+-[0-9a-f]+-rank\d+-of-\d+\.pt(\.tmp)?$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, truncated, altered or incompatible files."""
+    """A checkpoint that cannot be loaded (missing, truncated, altered or incompatible files) or
+    saved (a destination that is a file, read-only or full: raised on every rank, state intact)."""
 
 
 # -- what this rank owns, addressed by parameter ---------------------------------------------
@@ -106,11 +108,15 @@ def _replicated(engine):
 def _atomic_write(path, data):
     """Write ``data`` to ``path`` so that a reader sees either the old file or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp.parent, tmp.name)           # no partial file left behind
+        raise
     try:                                        # make the rename itself durable (POSIX)
         fd = os.open(path.parent, os.O_RDONLY)
     except OSError:
@@ -139,27 +145,46 @@ def _persistent_buffers(module):
 def save(engine, path, *, client_state=None):
     """Save ``engine``'s training state into the folder ``path``. A collective: every rank calls it
     between steps (after ``step()``). ``client_state``: anything picklable to keep with it (data
-    loader position, scheduler...), returned by :func:`load`. Returns the metadata dict."""
+    loader position, scheduler...), returned by :func:`load`. Returns the metadata dict.
+
+    A save that cannot complete (``path`` is a file, a read-only folder, not enough space, a write
+    that fails half way) raises the same :class:`CheckpointError` on EVERY rank, naming each failing
+    rank and its cause; the ranks stay alive with their training state untouched (saving never
+    changes it), the folder's previous checkpoint stays valid, and the failed save's files are
+    removed. The destination is checked on every rank before anything is written (it exists or can
+    be created, is a folder, is writable, has room for this rank's file) and the ranks agree on the
+    outcome with one small collective."""
     from zerolab import __version__
     engine.quiesce()
     group, rank, n = engine.group, engine.rank, engine.world_size
     folder = pathlib.Path(path)
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    # one fresh name per save, agreed by all ranks: the previous checkpoint's files stay untouched
-    tag = _broadcast_object(f"step{engine.steps:08d}-{secrets.token_hex(4)}" if rank == 0 else None, group)
-    dist.barrier(group=group)                   # the folder exists for everyone
-    payload = {"pieces": _owned(engine), "rank": rank}
+    payload = {"pieces": _owned(engine), "rank": rank}  # in memory first: its size is known
     if rank == 0:
         payload.update(_replicated(engine), client_state=client_state)
     buf = io.BytesIO()
     torch.save(payload, buf)
     data = buf.getvalue()
+    made = None
+    if rank == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            made = f"creating {folder}: {_why(exc)}"
+    # one fresh name per save, agreed by all ranks: the previous checkpoint's files stay untouched
+    tag = _broadcast_object(f"step{engine.steps:08d}-{secrets.token_hex(4)}" if rank == 0 else None, group)
     name = f"{tag}-rank{rank:05d}-of-{n:05d}.pt"
-    _atomic_write(folder / name, data)
-    info = {"name": name, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    _agree(made or _check_destination(folder, len(data), name), folder, group, n, "nothing was written")
+    try:
+        _atomic_write(folder / name, data)
+        info = {"name": name, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    except OSError as exc:
+        info = {"error": f"writing {name}: {_why(exc)}"}
     files = [None] * n
     dist.all_gather_object(files, info, group=group)
+    failed = [f"rank {r}: {f['error']}" for r, f in enumerate(files) if "error" in f]
+    if failed:
+        _remove(folder, name)
+        raise CheckpointError(_failure(folder, failed, "its partial files were removed"))
     first, aliases = _names(engine.module)
     meta = {
         "format": FORMAT, "version": VERSION, "zerolab": __version__, "torch": torch.__version__,
@@ -175,14 +200,72 @@ def save(engine, path, *, client_state=None):
         "pending_update": bool(engine.update_pending),
     }
     meta["checksum"] = _meta_checksum(meta)
+    committed = None
     if rank == 0:
-        _atomic_write(folder / METADATA, json.dumps(meta, indent=1).encode())   # the commit point
+        try:
+            _atomic_write(folder / METADATA, json.dumps(meta, indent=1).encode())   # the commit point
+        except OSError as exc:
+            committed = f"rank 0: writing {METADATA}: {_why(exc)}"
+    committed = _broadcast_object(committed, group)
+    if committed is not None:
+        _remove(folder, name)
+        raise CheckpointError(_failure(folder, [committed], "its files were removed"))
+    if rank == 0:
         keep = {f["name"] for f in files}
         for old in folder.iterdir():            # files of earlier (or interrupted) saves
             if _SHARD_FILE.match(old.name) and old.name not in keep:
                 old.unlink(missing_ok=True)
     dist.barrier(group=group)                   # returns when the checkpoint is complete
     return meta
+
+
+def _why(exc):
+    """'OSError: No space left on device' (an OSError's text without its [Errno N])."""
+    return f"{type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
+
+
+def _check_destination(folder, need, name):
+    """Why this rank cannot write ``need`` bytes as ``name`` into ``folder``, or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} exists and is not a folder"
+    if not folder.is_dir():
+        return f"{folder} does not exist on this rank (rank 0 created it: not a shared file system?)"
+    probe = folder / f".{name}.probe"
+    try:
+        with open(probe, "wb") as f:                # the real test of a writable folder (root
+            f.write(b"0")                           # ignores permission bits; a read-only mount
+        probe.unlink()                              # does not)
+    except OSError as exc:
+        _remove(folder, probe.name)
+        return f"{folder} is not writable ({_why(exc)})"
+    free = shutil.disk_usage(folder).free
+    if free < need + (1 << 20):                     # this rank's file + room for the metadata
+        return f"not enough space in {folder}: {free} bytes free, {need + (1 << 20)} needed"
+    return None
+
+
+def _agree(cause, folder, group, n, outcome):
+    """Every rank learns every rank's ``cause`` (None: fine); all raise the same CheckpointError if any."""
+    causes = [None] * n
+    dist.all_gather_object(causes, cause, group=group)
+    failed = [f"rank {r}: {c}" for r, c in enumerate(causes) if c is not None]
+    if failed:
+        raise CheckpointError(_failure(folder, failed, outcome))
+
+
+def _failure(folder, failed, outcome):
+    return (f"could not save the checkpoint into {folder} ({'; '.join(failed)}): {outcome}; the folder's "
+            f"previous checkpoint (if any) is still valid and the training state is intact: fix the "
+            f"destination (or pick another folder) and save again")
+
+
+def _remove(folder, name):
+    """Remove this rank's file of a failed save (and its temporary file)."""
+    for file in (folder / name, folder / (name + ".tmp")):
+        try:
+            file.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _meta_checksum(meta):
