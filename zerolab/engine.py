@@ -269,13 +269,18 @@ class Engine:
                    lambda v: v in activations.MODES),
                "checkpoint_units": Option(
                    None, "None (TinyGPT's blocks, or their core_attention) or a list of submodules to "
-                   "checkpoint", lambda v: v is None or isinstance(v, (list, tuple)))}
+                   "checkpoint", lambda v: v is None or isinstance(v, (list, tuple))),
+               "broadcast_buffers": Option(
+                   True, "True (torch DDP's default: every forward starts from rank 0's floating-point "
+                   "buffers, such as BatchNorm's running statistics) or False (each rank keeps its own; "
+                   "a checkpoint still saves rank 0's)", is_flag)}
     host_kinds = ()               # kinds of state that live on the host (offload engines)
 
     def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, bucket_bytes, reduce_impl=None,
                  group=None, loss_scale=None, reduce_dtype=None, activation_checkpointing=None,
-                 checkpoint_units=None):
+                 checkpoint_units=None, broadcast_buffers=True):
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
         self.optimizer_class = optimizer
         self.opt_kwargs = dict(opt_kwargs)
         self.param_dtype = param_dtype
@@ -330,10 +335,29 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._open_step_log()
+        if self.broadcast_buffers and self.world_size > 1:
+            self._sync_buffers()
         with activations.SavedTensors(self.module, per_module=False) as saved:   # keeps nothing; outer hooks run
             out = self.forward(*args, **kwargs)
         self._activations = saved.by_device()
         return out
+
+    def _sync_buffers(self):
+        """Floating buffers (BatchNorm's running mean and variance) are updated by each rank's own
+        forward on its own data, so they drift apart across ranks while a checkpoint saves rank 0's.
+        As torch DDP (``broadcast_buffers=True``, its default), every forward starts from rank 0's:
+        one broadcast per dtype before it. Averaging them instead would be another consistent rule,
+        but not DDP's, and not what a single process on rank 0's data computes. Integer buffers
+        (``num_batches_tracked``, counters) advance the same on every rank and are not sent."""
+        floating = [b for b in dict.fromkeys(self.module.buffers()) if b.is_floating_point() and b.numel()]
+        for dtype in dict.fromkeys(b.dtype for b in floating):
+            same = [b for b in floating if b.dtype == dtype]
+            flat = torch.cat([b.detach().reshape(-1) for b in same])
+            comm.broadcast(flat, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
+                           group=self.group, tag="buffers")
+            with torch.no_grad():
+                for b, part in zip(same, flat.split([b.numel() for b in same])):
+                    b.copy_(part.view_as(b))
 
     def forward(self, *args, **kwargs):
         with comm.span("forward"):
