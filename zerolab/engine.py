@@ -536,6 +536,37 @@ def cast_floats(obj, dtype):
     return obj
 
 
+def _guard_torch_clipping():
+    """Make ``torch.nn.utils.clip_grad_norm_`` refuse the parameters of a ZeRO engine (stages 1-3).
+    Between backward and step each rank holds only part of the averaged gradient there: at stage 1
+    ``p.grad`` is this rank's LOCAL (unaveraged) gradient outside its shard, at stages 2-3 ``p.grad``
+    is None, so torch's norm differs per rank (stage 1) or is 0 (stages 2-3), and training silently
+    diverges from the clipped reference. ``engine.clip_grad_norm_`` is the sharded version (one
+    all-reduce of a scalar). Installed once, when the first ZeRO engine is built; other parameters
+    (a plain model, stage 0's, which hold the whole averaged gradient) go through unchanged."""
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+    original = nn_utils.clip_grad_norm_
+    if getattr(original, "_zerolab_guard", False):
+        return
+
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        sharded = next((getattr(p, "_zerolab_sharded") for p in params if hasattr(p, "_zerolab_sharded")), None)
+        if sharded is not None:
+            raise RuntimeError(f"torch.nn.utils.clip_grad_norm_ on the parameters of a zerolab {sharded} engine "
+                               f"would clip with a wrong norm: each rank holds only its shard of the averaged "
+                               f"gradient (p.grad is a local gradient or None). Call engine.clip_grad_norm_("
+                               f"max_norm) between engine.backward() and engine.step() instead: the global "
+                               f"norm from every rank's shard, equal to torch's on one process")
+        return original(params, *args, **kwargs)
+
+    clip_grad_norm_._zerolab_guard = True
+    clip_grad_norm_.__wrapped__ = original
+    clip_grad_norm_.__doc__ = original.__doc__
+    nn_utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
 class ShardedEngine(Engine):
     """What the ZeRO stages share: the compute dtype and its casts (trainable parameters are packed by
     the subclass; frozen ones and floating buffers are cast here), no_sync, and everything derived from
@@ -553,6 +584,9 @@ class ShardedEngine(Engine):
     def _prepare(self):
         """Returns the trainable parameters (each once) and casts everything else to the compute dtype."""
         self.trainable = unique_trainable(self.module.parameters())
+        for p in self.trainable:                  # torch's clip_grad_norm_ would see a wrong gradient
+            p._zerolab_sharded = self.label()
+        _guard_torch_clipping()
         trainable_ids = {id(p) for p in self.trainable}
         self.frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable_ids]
         dtypes = {p.dtype for p in self.trainable}
