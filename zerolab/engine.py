@@ -136,6 +136,13 @@ def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, redu
     """ValueError naming the first bad value of the options every stage shares."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}): "
+                         f"materialize the model first, the same way on every rank: model.to_empty(device='cpu'), "
+                         f"then torch.manual_seed(seed) and each module's reset_parameters() (or your init "
+                         f"function, or model.load_state_dict(state)). zerolab builds every stage, stage 3 "
+                         f"included, from a materialized model (lesson 05 shows what that costs in RSS)")
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
                          f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "
