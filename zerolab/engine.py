@@ -142,7 +142,7 @@ def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, redu
                          f"materialize the model first, the same way on every rank: model.to_empty(device='cpu'), "
                          f"then torch.manual_seed(seed) and each module's reset_parameters() (or your init "
                          f"function, or model.load_state_dict(state)). zerolab builds every stage, stage 3 "
-                         f"included, from a materialized model (lesson 05 shows what that costs in RSS)")
+                         f"included, from a materialized model")
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
                          f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "
