@@ -80,6 +80,44 @@ def _is_ops(v):
     return v is None or all(callable(getattr(v, name, None)) for name in PRIMITIVES)
 
 
+# Reading a tensor's metadata is harmless even while its storage is freed.
+_METADATA_OPS = {"__get__", "size", "dim", "numel", "__len__", "stride", "is_floating_point", "element_size",
+                 "data_ptr", "untyped_storage", "__hash__", "__eq__", "__repr__", "__format__"}
+
+
+class _ForeignUseCheck(torch.overrides.TorchFunctionMode):
+    """During the engine's FIRST forward (a weight tie is in the model's code, so one forward shows
+    it; later forwards pay nothing): a torch operation on a parameter of a sharded unit whose own
+    forward is not running raises, naming the unit and the fixes. Such a use (``F.linear(h,
+    self.emb.weight)`` in the model's forward with ``emb`` a unit of its own) reads freed storage:
+    torch's "setStorage ... out of bounds" error, wrong numbers, or a crash."""
+
+    def __init__(self, zero3):
+        super().__init__()
+        self.engine = zero3
+        self.names = {id(p): n for n, p in zero3.module.named_parameters()}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA_OPS:
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.nn.Parameter):
+                    u = self.engine._where.get(id(t))
+                    if u is not None and not u.resident and u not in self.engine._running:
+                        self._refuse(t, u)
+        return func(*args, **kwargs)
+
+    def _refuse(self, p, u):
+        where = f"unit {self.engine._running[-1].name!r}" if self.engine._running else "the model's own forward"
+        raise RuntimeError(
+            f"ZeRO-3: parameter {self.names.get(id(p), '?')!r} of unit {u.name!r} is used outside that unit's "
+            f"forward (in {where}): stage 3 gathers a unit's parameters only while its own forward runs, so "
+            f"this reads freed memory. Fixes: tie the weights as modules before initialize (e.g. "
+            f"model.head.weight = model.{u.name}.weight: a weight shared by two default units goes into the "
+            f"root unit, always gathered), or use the weight only through {u.name}'s own forward, or choose "
+            f"units that keep {u.name!r} with its user (initialize(..., units=[...]), or a larger persist_numel)")
+
+
 class Zero3Engine(ShardedEngine):
     """Stage 3 of ``zerolab.initialize``. Options (keyword arguments of ``initialize``):
     ``units`` (modules to shard one by one), ``prefetch`` (start the next unit's all-gather early,
@@ -128,6 +166,7 @@ class Zero3Engine(ShardedEngine):
         module.register_forward_pre_hook(self._guard)
         self._in_forward, self._in_backward, self._inflight, self._fwd, self._bwd = False, False, [], [], []
         self._predicted = [u.index for u in self.units if not u.resident]   # forward order guess
+        self._running, self._uses_checked = [], False    # units whose forward runs; first forward checked
 
     @property
     def ops(self):
@@ -189,9 +228,13 @@ class Zero3Engine(ShardedEngine):
                 self._gather(u)                  # root (and small units): once per step
         self._prefetch(self._predicted, -1)
         self._in_forward = True
+        check = contextlib.nullcontext() if self._uses_checked else _ForeignUseCheck(self)
+        self._running = []
         try:
-            out = self.module(*engine.cast_floats(args, self.compute_dtype),
-                              **engine.cast_floats(kwargs, self.compute_dtype))
+            with check:
+                out = self.module(*engine.cast_floats(args, self.compute_dtype),
+                                  **engine.cast_floats(kwargs, self.compute_dtype))
+            self._uses_checked = True
         finally:
             self._in_forward = False
             self._predicted = self._fwd or self._predicted
@@ -212,6 +255,7 @@ class Zero3Engine(ShardedEngine):
                     self._gather(u)              # checkpoint that spans units: gathered now, kept until its
                 return                           # own backward is done. Else the guard on the model raises
             self._fwd.append(u.index)
+            self._running.append(u)
             self._gather(u)                      # all-gather right before use (or wait for the prefetch)
             self._prefetch(self._predicted, len(self._fwd) - 1)
             u.t_fwd = comm.clock()
@@ -222,6 +266,8 @@ class Zero3Engine(ShardedEngine):
             if not self._in_forward:
                 return
             comm.end_span(f"forward {u.name}", "compute", u.t_fwd)
+            if u in self._running:
+                self._running.remove(u)
             self._free(u)                        # free right after use
             if torch.is_grad_enabled():
                 self.ops.register_pre_backward(output, lambda: self._pre_backward(u))
@@ -331,7 +377,7 @@ class Zero3Engine(ShardedEngine):
         for u in self.units:
             u.stale = u.state != FREE            # a unit kept gathered is re-gathered at its next use
 
-    def zero_grad(self):
+    def _zero_grad(self):
         self.grad_shards = [None] * len(self.units)
 
     def no_sync(self):
