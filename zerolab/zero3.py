@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from zerolab import comm, engine
 from zerolab.engine import Option, OwnedGrads, ShardedEngine, is_count, is_flag
 from zerolab.shard_optim import master_dtype
-from zerolab.units import FREE, GATHERING, READY, build_units
+from zerolab.units import FREE, GATHERING, READY, ForeignUseCheck, build_units
 
 PRIMITIVES = ("gather", "free", "reduce_scatter_grads", "register_pre_backward")
 
@@ -78,44 +78,6 @@ def register_pre_backward(output, fn):
 
 def _is_ops(v):
     return v is None or all(callable(getattr(v, name, None)) for name in PRIMITIVES)
-
-
-# Reading a tensor's metadata is harmless even while its storage is freed.
-_METADATA_OPS = {"__get__", "size", "dim", "numel", "__len__", "stride", "is_floating_point", "element_size",
-                 "data_ptr", "untyped_storage", "__hash__", "__eq__", "__repr__", "__format__"}
-
-
-class _ForeignUseCheck(torch.overrides.TorchFunctionMode):
-    """During the engine's FIRST forward (a weight tie is in the model's code, so one forward shows
-    it; later forwards pay nothing): a torch operation on a parameter of a sharded unit whose own
-    forward is not running raises, naming the unit and the fixes. Such a use (``F.linear(h,
-    self.emb.weight)`` in the model's forward with ``emb`` a unit of its own) reads freed storage:
-    torch's "setStorage ... out of bounds" error, wrong numbers, or a crash."""
-
-    def __init__(self, zero3):
-        super().__init__()
-        self.engine = zero3
-        self.names = {id(p): n for n, p in zero3.module.named_parameters()}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _METADATA_OPS:
-            for t in pytree.tree_leaves((args, kwargs)):
-                if isinstance(t, torch.nn.Parameter):
-                    u = self.engine._where.get(id(t))
-                    if u is not None and not u.resident and u not in self.engine._running:
-                        self._refuse(t, u)
-        return func(*args, **kwargs)
-
-    def _refuse(self, p, u):
-        where = f"unit {self.engine._running[-1].name!r}" if self.engine._running else "the model's own forward"
-        raise RuntimeError(
-            f"ZeRO-3: parameter {self.names.get(id(p), '?')!r} of unit {u.name!r} is used outside that unit's "
-            f"forward (in {where}): stage 3 gathers a unit's parameters only while its own forward runs, so "
-            f"this reads freed memory. Fixes: tie the weights as modules before initialize (e.g. "
-            f"model.head.weight = model.{u.name}.weight: a weight shared by two default units goes into the "
-            f"root unit, always gathered), or use the weight only through {u.name}'s own forward, or choose "
-            f"units that keep {u.name!r} with its user (initialize(..., units=[...]), or a larger persist_numel)")
 
 
 class Zero3Engine(ShardedEngine):
@@ -228,8 +190,9 @@ class Zero3Engine(ShardedEngine):
                 self._gather(u)                  # root (and small units): once per step
         self._prefetch(self._predicted, -1)
         self._in_forward = True
-        check = contextlib.nullcontext() if self._uses_checked else _ForeignUseCheck(self)
-        self._running = []
+        check = (contextlib.nullcontext() if self._uses_checked else
+                 ForeignUseCheck(self._where, self._running, self.module))
+        self._running.clear()
         try:
             with check:
                 out = self.module(*engine.cast_floats(args, self.compute_dtype),
