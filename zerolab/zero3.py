@@ -127,6 +127,7 @@ class Zero3Engine(ShardedEngine):
             self._free(u)                                         # resting state: shards only
         module.register_forward_pre_hook(self._guard)
         self._in_forward, self._in_backward, self._inflight, self._fwd, self._bwd = False, False, [], [], []
+        self.phase = "forward"        # what the next gathers serve: "forward", or "backward" once forward ran
         self._predicted = [u.index for u in self.units if not u.resident]   # forward order guess
 
     @property
@@ -182,7 +183,7 @@ class Zero3Engine(ShardedEngine):
 
     def forward(self, *args, **kwargs):
         self._settle()                           # a forward whose backward never came
-        self._fwd, grad = [], torch.is_grad_enabled()
+        self._fwd, grad, self.phase = [], torch.is_grad_enabled(), "forward"
         for u in self.units:
             u.started, u.launched, u.arrived, u.t_bwd = False, False, set(), None
             if u.resident:
@@ -193,7 +194,7 @@ class Zero3Engine(ShardedEngine):
             out = self.module(*engine.cast_floats(args, self.compute_dtype),
                               **engine.cast_floats(kwargs, self.compute_dtype))
         finally:
-            self._in_forward = False
+            self._in_forward, self.phase = False, "backward"   # every later gather serves backward
             self._predicted = self._fwd or self._predicted
             for u in self.units:                 # wrong guesses: a prefetched unit never used
                 if not u.resident and u.state != FREE:
