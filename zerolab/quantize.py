@@ -20,7 +20,8 @@ element (0.2% of int8's payload); DeepSpeed's weight quantizer aims at groups of
 * :func:`quantized_reduce_scatter`: **qgZ**'s one-hop scheme. A ring reduce-scatter would quantize
   a PARTIAL SUM at every one of its N-1 hops, each time adding a rounding error that grows with the
   sum (:func:`ring_quantized_reduce_scatter`, here only to measure that); an all-to-all sends each
-  rank's contribution to its owner once, quantized once, and the owner sums in fp32.
+  rank's contribution to its owner once, quantized once, and the owner sums in fp32 (adding its own
+  slice exact: it never travels).
 * :func:`hierarchical_reduce_scatter`: **qgZ** as ZeRO++ runs it on a 2-D mesh (Sec. 4.3, the
   hierarchical all-to-all): an all-to-all inside the node, a reduction there, a second quantization
   and an all-to-all across nodes. Each value is quantized twice whatever N is, and only Ψ/per_node
@@ -159,32 +160,26 @@ def quantized_all_gather(output, input, group=None, *, bits=8, block=DEFAULT_BLO
 
 
 # -- qgZ: quantized gradient reduce-scatters -------------------------------------------------
-def _quantized_chunks(chunks, bits, block):
-    """Each chunk quantized on its own, packed, back to back: (bytes, bytes per chunk)."""
-    packed = [pack(quantize(c, bits=bits, block=block), bits) for c in chunks]
-    return torch.cat(packed), packed[0].numel()
-
-
-def _sum_dequantized(buf, parts, numel, bits, block):
-    """Σ over the ``parts`` packed pieces of ``buf`` of their dequantized values, in fp32."""
-    total = torch.zeros(numel, dtype=torch.float32, device=buf.device)
-    for part in buf.split(buf.numel() // parts):
-        total += dequantize(unpack(part, numel, bits=bits, block=block), block=block)
-    return total
-
-
 def _all_to_all_quantized(chunks, group, bits, block, tag):
-    """Send quantized chunk j to rank j of ``group``; return the fp32 sum of what every rank sent me."""
-    send, _ = _quantized_chunks(chunks, bits, block)
+    """Send quantized chunk j to rank j of ``group``; return the fp32 sum of what every rank sent me.
+    My own chunk never travels: it is added exact (its slot in the all-to-all stays on this rank)."""
+    me = torch.distributed.get_rank(group)
+    packed = [pack(quantize(c, bits=bits, block=block), bits) for c in chunks]
+    send = torch.cat(packed)
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send, group=group, tag=tag)                      # (N-1)/N of the bytes
-    return _sum_dequantized(recv, len(chunks), chunks[0].numel(), bits, block)
+    total = chunks[me].float().clone()
+    for j, part in enumerate(recv.split(packed[0].numel())):
+        if j != me:
+            total += dequantize(unpack(part, chunks[0].numel(), bits=bits, block=block), block=block)
+    return total
 
 
 def quantized_reduce_scatter(output, input, group=None, *, bits=4, block=DEFAULT_BLOCK, tag=None):
     """qgZ's one-hop scheme: ``output`` receives the SUM over ranks of this rank's slice of ``input``
     (input = N x output). Each rank quantizes its N slices once (block-wise, ``bits``), one
-    all-to-all sends slice j to rank j, and the owner dequantizes and sums in fp32. Blocking."""
+    all-to-all sends slice j to rank j, and the owner dequantizes and sums in fp32 (its own slice
+    exact). Blocking."""
     n = torch.distributed.get_world_size(group)
     if input.numel() != n * output.numel():
         raise ValueError(f"quantized_reduce_scatter: input has {input.numel()} elements, expected world_size "
