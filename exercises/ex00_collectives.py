@@ -1,32 +1,41 @@
-"""Exercise 00 — ring collectives from point-to-point send/recv.
+"""Exercise 00 — an all-reduce that uses both directions of every link, and a measurement.
 
-Fill in the three functions. Use only ``torch.distributed.isend/irecv/send/recv`` (or
-``zerolab.comm``'s wrappers, or ``zerolab.ring.exchange`` for one ring step): the graded tests
-make every torch collective raise while your code runs, and count the bytes each rank sends.
+Lesson 00's ring (``zerolab.ring``) sends every chunk the same way round: each rank sends only to
+its right neighbour. Links are full duplex: what rank r sends to r+1 and what r+1 sends to r travel
+at the same time without sharing bandwidth, so half of every link sits idle. NCCL runs rings in
+both directions (and several at once) for this reason. Here you build that all-reduce from
+point-to-point messages; the structure is yours.
+
+00.1 ``bidirectional_all_reduce``: the all-reduce.
+00.2 ``reduce_bytes``: measure what gloo's ``reduce`` really sends, and explain the pattern.
+
+Use only ``torch.distributed.isend/irecv/send/recv`` (or ``zerolab.comm``'s wrappers, or
+``zerolab.ring.exchange`` for one send-and-receive) in 00.1: the graded tests make every torch
+collective raise while it runs, and record each message's destination and size.
 
 Grade your work:  ``make grade`` or, in lesson 00, ``zerolab.grade.check("00")``.
 """
 
 
-def ring_reduce_scatter(output, input, group=None):
-    """``input`` holds N equal chunks; afterwards ``output`` holds the sum over all ranks of chunk
-    ``rank``. Leave ``input`` unchanged. Each rank must send (N-1)/N of ``input``'s bytes."""
+def bidirectional_all_reduce(tensor, group=None):
+    """Sum ``tensor`` over the ranks of ``group``, in place, for any number of elements.
+
+    Contract (graded on 2 and 4 ranks): half of the elements travel clockwise (to rank r+1) and the
+    other half counter-clockwise (to rank r-1), each half as a ring all-reduce of its own; a rank
+    talks only to its two neighbours; each rank sends about (N-1)/N x S bytes to each neighbour
+    (S: the tensor's bytes; the one-way ring sends 2(N-1)/N x S to one of them); and both
+    directions are in flight together: at every step a rank has a message out each way, not one
+    ring after the other."""
     raise NotImplementedError(
-        "Exercise 00.1: cut a copy of `input` into N chunks; for N-1 steps send chunk (rank-step-1) "
-        "to the right neighbour and add the chunk received from the left into chunk (rank-step-2).")
+        "Exercise 00.1: sum the tensor over the ranks with two rings running in opposite directions.")
 
 
-def ring_all_gather(output, input, group=None):
-    """``output`` (N x ``input``) receives every rank's ``input`` in rank order. Each rank must send
-    (N-1)/N of ``output``'s bytes."""
+def reduce_bytes(numel, dst, group=None):
+    """Run ONE ``torch.distributed.reduce`` of ``numel`` float32 elements to rank ``dst`` (gloo) and
+    return the bytes THIS rank wrote to its sockets during it, divided by the tensor's bytes.
+
+    Measure it (the kernel counts what a process writes), do not compute it: graded against the
+    grader's own measurement on 4 ranks. Then explain the pattern you see across the ranks."""
     raise NotImplementedError(
-        "Exercise 00.2: put `input` into chunk `rank` of `output`; for N-1 steps send chunk "
-        "(rank-step) to the right and receive chunk (rank-step-1) from the left.")
-
-
-def ring_all_reduce(tensor, group=None):
-    """Sum ``tensor`` over all ranks, in place, for ANY number of elements (N need not divide it).
-    Each rank must send about 2(N-1)/N of the tensor's bytes, however large N is."""
-    raise NotImplementedError(
-        "Exercise 00.3: a reduce-scatter phase then an all-gather phase over N (possibly uneven) "
-        "chunks of tensor.view(-1); torch.tensor_split makes the chunks.")
+        "Exercise 00.2: measure the bytes this rank sends during one reduce, as a multiple of the "
+        "tensor's bytes.")

@@ -1,40 +1,34 @@
-"""Exercise 01 — memory anatomy: count what training really holds, then predict it.
+"""Exercise 01 — memory anatomy: measure the peak of a training step, then predict per-rank bytes.
 
-Three functions. The first two MEASURE (each underlying storage counted once: tied weights, views
-into one flat buffer and gradients that alias a bucket buffer are one allocation, not many); the
-third PREDICTS per-rank bytes with the ZeRO formulas (Rajbhandari et al., arXiv 1910.02054).
-The graded tests compare them with the paper's numbers and with bytes computed by hand from the
-shapes of real models (tied weights, frozen layers, mixed dtypes, torch DDP on 2 real ranks).
+Lesson 01 shows that parameters live throughout, gradients from backward until ``zero_grad``, and
+optimizer state from the first step on, so what a step needs is a PEAK that a measurement taken
+after the step does not see. Here you build the instrument that catches it; how is yours.
+
+01.1 ``peak_model_states``: the peak, by kind, measured with hooks while a step runs.
+01.2 ``model_state_bytes``: the ZeRO formulas (Rajbhandari et al., arXiv 1910.02054), derived.
 
 Grade your work:  ``make grade`` or, in lesson 01, ``zerolab.grade.check("01")``.
 """
 
 
-def unique_storage_bytes(tensors):
-    """Total bytes of the distinct storages behind ``tensors`` (None entries are skipped).
+def peak_model_states(model, optimizer, run_step):
+    """Call ``run_step()`` once (one training step of ``model`` with ``optimizer``: forward,
+    backward, ``optimizer.step()``, ``zero_grad``, in whatever way it does them) and return the
+    PEAK bytes held while it ran: ``{"params", "grads", "optimizer", "total"}``, each kind's
+    largest value at any moment, and "total" the largest value of the three together at one moment.
 
-    A view counts its WHOLE storage, once however many views of it appear; two different
-    allocations count separately even if they hold equal values. Empty storages count 0.
-    """
+    Contract (graded on real models against bytes computed by hand from their shapes):
+
+    * params: every parameter of ``model``; grads: every existing ``.grad`` of them; optimizer:
+      every tensor in ``optimizer.state`` plus any tensor the optimizer updates that is not one of
+      the model's parameters (fp32 master copies), whose ``.grad`` counts as grads;
+    * each storage counts once, under the first kind that holds it (in the order params, grads,
+      optimizer): tied weights, views into one flat buffer, gradients aliasing a bucket;
+    * measured while it runs: at least at the start, whenever a gradient becomes final, right
+      before and right after every optimizer step, and at the end;
+    * no hook left behind on the model or the optimizer."""
     raise NotImplementedError(
-        "Exercise 01.1: identify a storage by t.untyped_storage(): its device and data_ptr(); "
-        "its size is .nbytes(). Keep a set of the storages already counted.")
-
-
-def measured_model_states(model, optimizer=None):
-    """Bytes this process holds for ``model`` (and ``optimizer``): {"params", "grads", "optimizer"}.
-
-    * params: every parameter of the model, trainable or frozen;
-    * grads: every existing ``.grad`` (frozen parameters and not-yet-run backward have none);
-    * optimizer: every tensor in ``optimizer.state`` (Adam: exp_avg, exp_avg_sq and the small
-      ``step`` counter tensors) plus any parameter the optimizer updates that is not one of the
-      model's (fp32 master copies), whose ``.grad`` counts as grads.
-    Each storage counts once overall: one already counted under an earlier kind (in the order
-    params, grads, optimizer) is not counted again.
-    """
-    raise NotImplementedError(
-        "Exercise 01.2: collect the tensors of each kind (model.parameters(), their .grad, the "
-        "values of optimizer.state[p] for every p) and count storages with ONE shared 'seen' set.")
+        "Exercise 01.1: sample the three kinds at the moments the contract names, keep the maxima.")
 
 
 def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, offload=False):
@@ -49,8 +43,6 @@ def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, of
     of the parameter shard for the host to update) and the gradient shard (2 or 4 bytes x Ψ/N)
     live on the host; the device keeps the parameters as the stage has them, and the full
     gradient only in stage 1 (which does not partition gradients). Stage 0 with offload, or any
-    stage other than 0-3: raise ValueError.
-    """
+    stage other than 0-3: raise ValueError."""
     raise NotImplementedError(
-        "Exercise 01.3: start from bytes per element (2, 2, 12 or 4, 4, 8); divide a kind by N "
-        "once the stage partitions it (optimizer from stage 1, grads from 2, params from 3).")
+        "Exercise 01.2: bytes per element of each kind, divided by N for the kinds the stage partitions.")

@@ -1,59 +1,76 @@
-"""Exercise 04 — ZeRO-2: reduce-scatter gradients bucket by bucket during backward (lesson 04).
+"""Exercise 04 — ZeRO-2 the way DeepSpeed lays it out: one global partition, each bucket's slices
+REDUCED to the ranks that own them, during backward (lesson 04; ZeRO, arXiv 1910.02054, Sec. 5.2:
+"a reduction instead of an all-reduce at the partition boundaries").
 
-``Zero2Gradients`` is set up for you: the trainable parameters are cut into buckets (each a padded
-``zerolab.flat.FlatParams``; the parameters are views into them), every rank has a persistent
-gradient shard per bucket (``self.grad_shards[i]``, 1/N of bucket i), and a post-accumulate-grad
-hook on every parameter calls :meth:`hook`. You write:
+zerolab's stage 2 (``zerolab.zero2``) gives every bucket its own padded buffer and reduce-scatters it
+(FSDP's layout). Here you build the other layout. The partition is ZeRO-1's (lesson 03), given
+below: the trainable parameters back to back in one flat buffer padded to a multiple of N; rank r
+owns elements [r·S, (r+1)·S). Gradients arrive in backward order, in buckets that cut across that
+partition, so a bucket's elements belong to one, two or more owners.
 
-04.1 ``hook(param)``: move ``param.grad`` into its bucket's full-size buffer and free it; when the
-     bucket's last gradient has arrived, launch the bucket's reduce-scatter WITHOUT waiting for it.
-04.2 ``finish()``: wait for the launched reduce-scatters, average, add into the gradient shards and
-     free the full-size buffers.
+04.1 ``Zero2Gradients``: what to allocate, which hooks to register, when to reduce, when to wait and
+     when to free is yours to decide. The contract is in the docstrings.
+04.2 ``reduce_calls``: a number to derive, and to check against what your 04.1 does.
 
-Afterwards no full-size gradient may remain anywhere: only ``self.grad_shards``.
-Use ``zerolab.comm.reduce_scatter(output, input, group=..., async_op=True)``: it returns a handle
-with ``.wait()``. Grade your work: ``make grade`` or ``zerolab.grade.check("04")``.
+Grade your work:  ``make grade`` or, in lesson 04, ``zerolab.grade.check("04")``.
 """
 import torch
 import torch.distributed as dist
 
-from zerolab import comm
-from zerolab.flat import FlatParams
-from zerolab.zero2 import make_buckets
+from zerolab.flat import FlatParams, unique_trainable
+from zerolab.zero2 import make_buckets  # noqa: F401  (the buckets of the contract)
 
 
 class Zero2Gradients:
-    """``grads = Zero2Gradients(model.parameters(), bucket_bytes=20000)``; then ``loss.backward()``;
-    ``grads.finish()``; ``grads.grad_shards`` holds this rank's shard of the averaged gradients."""
+    """``grads = Zero2Gradients(model.parameters(), bucket_bytes=16000)``; then, for each
+    micro-batch, ``loss.backward(); grads.finish()``; ``grads.grad_shard`` holds this rank's
+    partition of the gradients averaged over the ranks, summed over the micro-batches since the
+    last ``grads.zero_grad()``.
 
-    def __init__(self, params, bucket_bytes, group=None):
+    Contract (graded):
+
+    * buckets: the trainable parameters in backward order, cut as
+      ``make_buckets(self.params[::-1], bucket_bytes, dtype)`` cuts them;
+    * during backward, as soon as every gradient of a bucket is final, each part of the bucket that
+      lies in rank q's partition is reduced (summed) to rank q with ``torch.distributed.reduce``,
+      asynchronously (``async_op=True``): one reduce per (bucket, owner), nothing else is sent;
+    * at no moment of backward are more than two buckets of full-size gradients alive (besides the
+      one gradient autograd is handing you, and ``grad_shard``): DeepSpeed's double buffer;
+    * after ``finish()``: every reduce has completed, ``grad_shard`` holds the average (padding
+      zero), no parameter has a ``.grad``, and no full-size gradient buffer is left.
+    """
+
+    def __init__(self, params, *, bucket_bytes, group=None):
         self.group = group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        params = [p for p in dict.fromkeys(params) if p.requires_grad]
-        # Buckets in backward order (last layers first), each padded to a multiple of N.
-        self.buckets = [FlatParams(ps, self.world_size, self.rank)
-                        for ps in make_buckets(params[::-1], bucket_bytes, params[0].dtype)]
-        self.grad_shards = [torch.zeros(b.shard_numel, dtype=b.dtype) for b in self.buckets]  # 1/N
-        self.where = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
-        self.full = [None] * len(self.buckets)      # bucket i's full-size gradient buffer, while alive
-        self.arrived = [set() for _ in self.buckets]  # ids of the params whose grad bucket i has
-        self.pending = []                           # (bucket index, async handle), launch order
-        self.handles = [p.register_post_accumulate_grad_hook(self.hook) for p in params]
+        self.params = unique_trainable(params)
+        self.bucket_bytes = bucket_bytes
+        # ZeRO-1's partition (given): the parameters become views into self.flat.data; rank r owns
+        # self.flat.shard_range(r). self.flat.offsets[i]: where parameter i starts.
+        self.flat = FlatParams(self.params, self.world_size, self.rank)
+        self.grad_shard = torch.zeros(self.flat.shard_numel, dtype=self.flat.dtype)   # 2Ψ/N persists
+        self.setup()
 
-    @torch.no_grad()
-    def hook(self, param):
-        """Called by autograd once ``param.grad`` is complete for this backward."""
+    def setup(self):
+        """Everything else the class needs before the first backward."""
         raise NotImplementedError(
-            "Exercise 04.1: i, j = self.where[id(param)]; allocate self.full[i] = "
-            "self.buckets[i].new_buffer() if needed; add param.grad into self.buckets[i].view("
-            "self.full[i], j); param.grad = None; record the arrival; when all of bucket i's params "
-            "arrived, comm.reduce_scatter(bucket.shard(full), full, group=..., async_op=True) and "
-            "append (i, handle) to self.pending.")
+            "Exercise 04.1: set up the buckets and whatever makes each bucket's slices reach their "
+            "owners during backward (see the class docstring for the contract).")
 
-    @torch.no_grad()
     def finish(self):
-        """After backward: complete every launched reduce-scatter."""
+        """After a backward: complete its communication; ``grad_shard`` += this micro-batch's
+        average; leave no full-size gradient behind."""
         raise NotImplementedError(
-            "Exercise 04.2: for each (i, handle) in self.pending: handle.wait(); add the reduced shard "
-            "divided by world_size into self.grad_shards[i]; self.full[i] = None. Then reset "
-            "self.pending and self.arrived for the next backward.")
+            "Exercise 04.1: complete the backward's reductions and accumulate this rank's average.")
+
+    def zero_grad(self):
+        self.grad_shard.zero_()
+
+
+def reduce_calls(bucket_numels, world_size):
+    """How many ``reduce`` calls one backward makes in this layout when the partition (padded to a
+    multiple of ``world_size``) is cut, in order, into buckets of ``bucket_numels`` elements (their
+    sum is the unpadded total): the number of (bucket, owner) pairs. Derive it, then count the calls
+    your 04.1 makes in the lesson and explain the difference from one reduce-scatter per bucket."""
+    raise NotImplementedError(
+        "Exercise 04.2: count, for each bucket, the ranks whose partition it overlaps.")

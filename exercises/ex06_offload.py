@@ -1,43 +1,51 @@
-"""Exercise 06 — the offloaded optimizer step (lesson 06, ZeRO-Offload, arXiv 2101.06840).
+"""Exercise 06 — ZeRO-Offload's delayed parameter update, built by hand, and the host's bytes.
 
-``OffloadedAdam`` is set up for you for one padded flat buffer of parameters on rank r of N
+Lesson 06 turns on the engine's delayed parameter update (DPU, ZeRO-Offload arXiv 2101.06840,
+Sec. 5.2) and measures what it does to speed and to the loss. Here you build it: the host's
+optimizer step runs in the background while the device computes the next forward and backward,
+and its result reaches the device one step late.
+
+``DelayedOffloadAdam`` is set up for you for one padded flat buffer of parameters on rank r of N
 (``zerolab.flat.FlatParams``: the parameters are views into ``self.flat.data``, their ``.grad``
 views into ``self.grads``). What lives where:
 
-    device: self.flat.data     full parameters, compute dtype (bf16 or fp32), every rank
+    device: self.flat.data     full parameters, compute dtype, every rank
             self.grads         full local gradients, laid out like self.flat.data
     host:   self.grad_host     this rank's gradient shard, compute dtype (pinned on a GPU)
             self.master        this rank's parameter shard in fp32 (fp64 for fp64 models)
             self.optimizer     AdamW over [self.master] only: its moments are host, shard-sized
 
-You write the two halves of one step:
+06.1 ``step`` and ``flush``: the order of things, the thread, and what each may touch, are yours.
+06.2 ``host_bytes_per_element``: measure what offload keeps on the host, and explain it.
 
-06.1 ``offload_gradients()``: reduce-scatter ``self.grads`` so that this rank holds the SUM of its
-     shard of everybody's gradients, divide by N, and copy that shard into ``self.grad_host``
-     (``copy_(..., non_blocking=True)``: asynchronous on a GPU). This is the 2Ψ/N bytes down.
-06.2 ``host_update()``: on the host only: the gradient of ``self.master`` is ``self.grad_host`` in
-     the master's dtype; one ``self.optimizer.step()``; cast the new master into this rank's shard
-     of ``self.flat.data`` (the 2Ψ/N bytes up); all-gather so every rank has all new parameters.
-     It must not read ``self.grads`` (the device gradients are gone by then, in ZeRO-Offload).
-
-Tools: ``self.flat.shard(buffer)`` (this rank's slice, a view), ``zerolab.comm.reduce_scatter(output,
-input, group=...)`` and ``zerolab.comm.all_gather(output, input, group=...)`` (output may be the
-rank's own slice of input, as in exercise 03). On a GPU, wait for the asynchronous copy before the
-host reads ``self.grad_host`` (``torch.cuda.current_stream().synchronize()``).
+Tools: ``self.flat.shard(buffer)`` (this rank's slice, a view), ``zerolab.comm.reduce_scatter`` /
+``zerolab.comm.all_gather`` (output may be the rank's own slice of input), ``threading.Thread``.
 Grade your work: ``make grade`` or ``zerolab.grade.check("06")``.
 """
 import torch
 import torch.distributed as dist
 
-from zerolab import comm
 from zerolab.flat import FlatParams, unique_trainable
 from zerolab.offload import host_buffer, host_optimizer
 from zerolab.shard_optim import master_dtype
 
 
-class OffloadedAdam:
-    """``opt = OffloadedAdam(model.parameters(), lr=1e-3, param_dtype=torch.bfloat16)``; then
-    ``loss.backward(); opt.step(); opt.zero_grad()``. ``self.fused``: torch's fused CPU AdamW in use."""
+class DelayedOffloadAdam:
+    """``opt = DelayedOffloadAdam(model.parameters(), lr=1e-3)``; per step ``loss.backward();
+    opt.step(); opt.zero_grad()``; ``opt.flush()`` before using the parameters (evaluation, saving).
+
+    Contract (graded on 2 ranks, float64 and bfloat16):
+
+    * ``step()``: this rank's shard of the gradients, averaged over the ranks, goes to the host
+      (reduce-scatter, 2Ψ/N); the update the PREVIOUS ``step()`` started is finished and published
+      (the fp32 master cast into this rank's shard of ``self.flat.data``, then all-gathered); the host
+      update with the new gradient shard is STARTED in a background thread, and ``step()`` returns
+      without waiting for it. So the next forward and backward run on parameters one update behind;
+    * the background update touches host tensors only: the device gradients may be overwritten as
+      soon as ``step()`` returns (the next backward does just that);
+    * ``flush()``: finish the running update and publish it (every rank calls it);
+    * the optimizer's state is the host master's alone.
+    """
 
     def __init__(self, params, *, lr, param_dtype=None, group=None):
         self.group = group
@@ -53,25 +61,25 @@ class OffloadedAdam:
         self.master = self.flat.shard_from(originals, master_dtype(own.dtype)).cpu()  # host: 4Ψ/N
         self.optimizer, self.fused = host_optimizer([self.master], torch.optim.AdamW, lr=lr)  # host: 8Ψ/N
 
-    @torch.no_grad()
-    def offload_gradients(self):
-        """06.1: average shard r of the gradients over the ranks and send it to the host."""
-        raise NotImplementedError(
-            "Exercise 06.1: own = self.flat.shard(self.grads); comm.reduce_scatter(own, self.grads, "
-            "group=self.group); divide own by self.world_size; self.grad_host.copy_(own, non_blocking=True).")
-
-    @torch.no_grad()
-    def host_update(self):
-        """06.2: update the fp32 master on the host, bring the new shard back, all-gather."""
-        raise NotImplementedError(
-            "Exercise 06.2: self.master.grad = self.grad_host.to(self.master.dtype); "
-            "self.optimizer.step(); self.master.grad = None; copy self.master into "
-            "self.flat.shard(self.flat.data) (the cast); comm.all_gather(self.flat.data, that shard, "
-            "group=self.group).")
-
     def step(self):
-        self.offload_gradients()
-        self.host_update()
+        raise NotImplementedError(
+            "Exercise 06.1: send this step's gradient shard to the host, publish the previous update, "
+            "and start this one in the background (see the class docstring's contract).")
+
+    def flush(self):
+        raise NotImplementedError("Exercise 06.1: finish the running update and publish it.")
 
     def zero_grad(self):
         self.grads.zero_()
+
+
+def host_bytes_per_element(param_dtype):
+    """Build ``zerolab.initialize(models.build("gpt"), stage=2, offload="optimizer", lr=1e-3,
+    param_dtype=param_dtype)`` on the current ranks, run one step (``models.batch("gpt",
+    seed=rank, model=model)``), and return the bytes of model states this rank keeps on the HOST
+    (``engine.placement()``, by role) per parameter element it owns (Ψ/N, padding included).
+
+    Measure it; graded against the grader's own measurement for float32 and bfloat16. Then
+    compare it with the paper's (2 + 12) bytes per owned parameter and explain the difference."""
+    raise NotImplementedError(
+        "Exercise 06.2: the host bytes of model states after a step, per owned element.")

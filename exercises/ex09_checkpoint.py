@@ -1,30 +1,18 @@
-"""Exercise 09 — the two functions under resharding: who owns which elements, and putting a
-parameter back together from pieces.
+"""Exercise 09 — loading a sharded checkpoint into a different world size, and what a load costs.
 
 A ZeRO rank owns one contiguous slice of a padded flat buffer (lesson 03): the parameters' elements
-back to back, zero-padded to a multiple of N, cut into N equal shards. A slice can start or end in
-the middle of a parameter. To save a checkpoint that ANY world size can load, each rank writes what
-it owns addressed by parameter: (parameter index, first element, end element). To load, the pieces
-of each parameter, from however many files, are put back together, and every element must be
-covered exactly once.
+back to back, zero-padded to a multiple of N, cut into N equal shards; a slice can start or end in
+the middle of a parameter. A checkpoint that ANY world size can load stores, per parameter, pieces
+``(lo, hi, values)``: elements [lo, hi) of that parameter, from however many ranks saved it.
+
+09.1 ``assemble``: one parameter back together from its pieces, refusing anything that does not
+     fit exactly.
+09.2 ``load_shard``: a rank of the NEW world size builds its own shard straight from the pieces,
+     without putting whole parameters (let alone the model) together.
+09.3 ``bytes_read``: measure what loading a checkpoint reads, and explain it.
 
 Grade your work:  ``make grade`` or, in lesson 09, ``zerolab.grade.check("09")``.
 """
-
-
-def owned_ranges(numels, world_size, rank):
-    """The parts of each parameter that ``rank`` owns when parameters of ``numels`` elements are
-    packed back to back into one flat buffer padded to a multiple of ``world_size`` and split into
-    equal shards (rank r: flat elements [r·S, (r+1)·S), S = ceil(sum(numels) / N)).
-
-    Returns a list of ``(index, lo, hi, offset)``, in flat order: elements [lo, hi) of parameter
-    ``index`` (0 <= lo < hi <= numels[index]) sit at [offset, offset + hi - lo) of the rank's shard.
-    Padding is nobody's parameter: it appears in no range. Raise ValueError for world_size < 1 or a
-    rank outside [0, world_size)."""
-    raise NotImplementedError(
-        "Exercise 09.1: compute S, the shard's flat range [r·S, (r+1)·S), and each parameter's flat "
-        "range [start, start + numel); keep the non-empty intersections, shifted into parameter and "
-        "shard coordinates.")
 
 
 def assemble(numel, pieces):
@@ -35,5 +23,29 @@ def assemble(numel, pieces):
     no piece or by more than one (files from two different saves), or if a piece's size or range is
     wrong: a checkpoint must never load in part."""
     raise NotImplementedError(
-        "Exercise 09.2: allocate the result and a per-element count, copy each piece into its "
-        "range, then check that every count is exactly 1.")
+        "Exercise 09.1: the parameter from its pieces, every element exactly once, or a ValueError.")
+
+
+def load_shard(numels, pieces, world_size, rank):
+    """Rank ``rank``'s shard (1-D, S = ceil(sum(numels) / world_size) elements, padding zero) of the
+    padded flat buffer of parameters with ``numels`` elements, built from ``pieces``: a dict
+    {parameter index: [(lo, hi, values), ...]} as ``assemble`` takes them, saved by any number of
+    ranks in any layout.
+
+    Contract (graded): values equal to cutting the shard out of the whole assembled model; a
+    ValueError naming the parameter if an element of THIS shard is covered by no piece or by more
+    than one, or a piece does not fit its parameter (pieces of parameters this rank does not own may
+    be anything); and memory: while it runs, at most about twice the shard's bytes and the largest
+    piece's are allocated (measured by torch's profiler): never a whole parameter you only need a
+    slice of, never the whole model."""
+    raise NotImplementedError(
+        "Exercise 09.2: this rank's shard of the new layout, straight from the pieces that overlap it.")
+
+
+def bytes_read(load):
+    """Call ``load()`` (it loads a checkpoint on this rank) and return how many bytes this process
+    read meanwhile (the kernel counts every byte a process reads: ``/proc/self/io``, ``rchar``).
+
+    Measure it; graded against the grader's own measurement of the same load on 2 ranks. Then
+    compare it with the checkpoint's size and with the share the rank keeps, and explain."""
+    raise NotImplementedError("Exercise 09.3: measure the bytes this process reads during load().")

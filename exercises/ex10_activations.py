@@ -9,7 +9,7 @@ block, with a custom ``torch.autograd.Function`` or with saved-tensor hooks — 
 Try it on a block of your own::
 
     from zerolab import models
-    from zerolab.grading import exercise_module
+    from zerolab.grade.helpers import exercise_module
     ex = exercise_module("ex10_activations")                     # this file
     block = models.build("gpt", dtype=torch.float64).blocks[0]
     x = torch.randn(2, 32, 64, dtype=torch.float64, requires_grad=True)

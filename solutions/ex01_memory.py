@@ -1,4 +1,5 @@
-"""Worked answers to exercise 01: storage-level accounting and the ZeRO formulas (see lesson 01)."""
+"""Worked answers to exercise 01: the peak of a step by kind, measured with hooks, and the ZeRO
+formulas (see lesson 01)."""
 from zerolab.memory import PRECISIONS
 
 
@@ -16,27 +17,37 @@ def _new_bytes(tensors, seen):
     return total
 
 
-def unique_storage_bytes(tensors):
-    return _new_bytes(tensors, set())
-
-
-def _optimizer_tensors(state):
-    for value in state.values():
-        if hasattr(value, "untyped_storage"):
-            yield value
-
-
-def measured_model_states(model, optimizer=None):
+def _census(model, optimizer):
     params = list(model.parameters())
     own = {id(p) for p in params}
-    masters, state = [], []
-    if optimizer is not None:
-        masters = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
-        state = [t for per_param in optimizer.state.values() for t in _optimizer_tensors(per_param)]
+    masters = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    state = [t for s in optimizer.state.values() for t in s.values() if hasattr(t, "untyped_storage")]
     seen = set()  # shared: a storage belongs to the first kind that counts it
-    return {"params": _new_bytes(params, seen),
-            "grads": _new_bytes([p.grad for p in params + masters], seen),
-            "optimizer": _new_bytes(masters + state, seen)}
+    kinds = {"params": _new_bytes(params, seen),
+             "grads": _new_bytes([p.grad for p in params + masters], seen),
+             "optimizer": _new_bytes(masters + state, seen)}
+    return kinds
+
+
+def peak_model_states(model, optimizer, run_step):
+    peak = {"params": 0, "grads": 0, "optimizer": 0, "total": 0}
+
+    def sample(*_):
+        now = _census(model, optimizer)
+        for kind, nbytes in now.items():
+            peak[kind] = max(peak[kind], nbytes)
+        peak["total"] = max(peak["total"], sum(now.values()))
+
+    handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
+    handles += [optimizer.register_step_pre_hook(sample), optimizer.register_step_post_hook(sample)]
+    try:
+        sample()
+        run_step()
+        sample()
+    finally:
+        for h in handles:
+            h.remove()
+    return peak
 
 
 def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, offload=False):

@@ -1,22 +1,13 @@
-"""Worked answers to exercise 02: naive and bucketed gradient averaging (see lesson 02)."""
+"""Worked answers to exercise 02: bucketed, overlapped gradient averaging with no_sync, and torch
+DDP's buckets measured (see lesson 02). zerolab.data_parallel.BucketedGradSync is the full version."""
+import contextlib
+
+import torch
 import torch.distributed as dist
 
 from zerolab import comm
 from zerolab.data_parallel import Bucket, assign_buckets
 from zerolab.flat import unique_trainable
-
-
-def broadcast_parameters(module, group=None):
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    for t in list(module.parameters()) + list(module.buffers()):
-        comm.broadcast(t.data, src=src, group=group)      # tied weights twice: harmless, same data
-
-
-def average_gradients(module, group=None):
-    n = dist.get_world_size(group)
-    for p in unique_trainable(module.parameters()):        # frozen skipped, tied weight once
-        comm.all_reduce(p.grad, group=group)               # the sum over ranks ...
-        p.grad.div_(n)                                     # ... over N: the mean
 
 
 class BucketedAverager:
@@ -30,6 +21,7 @@ class BucketedAverager:
                 p.grad = view                               # autograd accumulates into the bucket
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._ready)
+        self.sync = True
         self._reset()
 
     def _reset(self):
@@ -37,10 +29,11 @@ class BucketedAverager:
         self.next, self.works = 0, []
 
     def _ready(self, param):
-        # `param` is the parameter; its gradient already sits in the bucket view (param.grad).
+        if not self.sync:
+            return                                          # no_sync: accumulate locally only
         self.missing[self.bucket_of[param].index] -= 1
         while self.next < len(self.buckets) and self.missing[self.next] == 0:
-            self._launch()
+            self._launch()                                  # in index order on every rank
 
     def _launch(self):
         b = self.buckets[self.next]
@@ -54,3 +47,31 @@ class BucketedAverager:
         for w in self.works:
             w.wait()
         self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+
+def ddp_bucket_bytes(model, batches, bucket_cap_mb):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    seen = []
+
+    def hook(state, bucket):                                # DDP calls it once per bucket it reduces
+        buf = bucket.buffer()
+        seen.append(buf.numel() * buf.element_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+
+    ddp.register_comm_hook(None, hook)
+    out = []
+    for x, y in batches:
+        seen.clear()
+        ddp(x, y).backward()
+        out.append(list(seen))
+    return out

@@ -1,50 +1,64 @@
-"""Worked answers to exercise 03: ZeRO-1 (see lesson 03). zerolab.zero1.Zero1Optimizer is the full
-version (param groups, mixed precision through zerolab.shard_optim.ShardOptimizer, ring reduce)."""
+"""Worked answers to exercise 03: ZeRO-1 by whole parameters, the way torch's ZeroRedundancyOptimizer
+partitions (greedy, largest first), with each gradient reduced to its owner and each parameter
+broadcast from it. zerolab.zero1.Zero1Optimizer is ZeRO's flat-buffer version (exact balance)."""
 import torch
 import torch.distributed as dist
 
-from zerolab import comm
-from zerolab.flat import FlatParams
+
+def greedy_partition(numels, world_size):
+    """Index lists per rank: largest first (ties in the given order), each to the least-loaded rank
+    (ties: the lowest rank). torch's ZeroRedundancyOptimizer._partition_parameters does the same."""
+    order = sorted(range(len(numels)), key=lambda i: -numels[i])     # stable: ties keep their order
+    loads, out = [0] * world_size, [[] for _ in range(world_size)]
+    for i in order:
+        r = loads.index(min(loads))
+        out[r].append(i)
+        loads[r] += numels[i]
+    return out
 
 
-def shard_range(numel, world_size, rank):
-    per_rank = -(-numel // world_size)          # ceil: the padded buffer is world_size * per_rank
-    return rank * per_rank, (rank + 1) * per_rank
-
-
-class Zero1Optimizer:
-    """ZeRO-1 in a plain loop::
-
-        opt = Zero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-        loss.backward(); opt.step(); opt.zero_grad()
-    """
-
-    def __init__(self, params, optimizer_class, group=None, **defaults):
+class ParamZero1:
+    def __init__(self, params, optimizer_class, *, group=None, **defaults):
         self.group = group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        params = [p for p in params if p.requires_grad]
-        self.flat = FlatParams(params, self.world_size, self.rank)  # params: views into flat.data
-        self.grads = self.flat.new_buffer()                          # grads: views into this buffer
-        for p, g in zip(self.flat.params, self.flat.views(self.grads)):
-            p.grad = g
-        self.local = self.make_local_optimizer(optimizer_class, **defaults)
+        self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
+        parts = greedy_partition([p.numel() for p in self.params], self.world_size)
+        self.partition = [[self.params[i] for i in sorted(ids)] for ids in parts]   # model order
+        self.owner = {id(p): r for r, ps in enumerate(self.partition) for p in ps}
+        self.local = optimizer_class(self.partition[self.rank], **defaults)       # state: own params only
 
-    def make_local_optimizer(self, optimizer_class, **defaults):
-        lo, hi = shard_range(self.flat.numel, self.world_size, self.rank)
-        self.shard = self.flat.data[lo:hi]               # a view: updating it updates the params
-        self.grad_shard = self.grads[lo:hi]
-        return optimizer_class([self.shard], **defaults)  # state: 1/N of the parameters
+    def _global(self, r):
+        return r if self.group is None else dist.get_global_rank(self.group, r)
 
     @torch.no_grad()
     def step(self):
-        # Rank r receives the sum over ranks of slice r: half an all-reduce, (N-1)/N of the bytes.
-        comm.reduce_scatter(self.grad_shard, self.grads, group=self.group)
-        self.grad_shard.div_(self.world_size)
-        self.shard.grad = self.grad_shard
-        self.local.step()                                 # Adam on the shard only
-        self.shard.grad = None
-        # The other half of the all-reduce, on the updated parameters instead of the gradients.
-        comm.all_gather(self.flat.data, self.shard, group=self.group)
+        # One flat buffer per owner: each rank's gradients of that owner's parameters, reduced (summed)
+        # to the owner only. Every element is sent once: Ψ in all, like a reduce-scatter's output.
+        for r, ps in enumerate(self.partition):
+            if not ps:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps])
+            dist.reduce(flat, dst=self._global(r), group=self.group)
+            if r == self.rank:
+                flat /= self.world_size                          # the sum over ranks -> the mean
+                for p, g in zip(ps, flat.split([p.numel() for p in ps])):
+                    p.grad = g.view_as(p)
+        self.local.step()                                        # Adam on the owned parameters only
+        for r, ps in enumerate(self.partition):                  # the owner's new values to every rank
+            if not ps:
+                continue
+            flat = torch.cat([p.detach().reshape(-1) for p in ps])
+            dist.broadcast(flat, src=self._global(r), group=self.group)
+            if r != self.rank:
+                for p, v in zip(ps, flat.split([p.numel() for p in ps])):
+                    p.copy_(v.view_as(p))
 
     def zero_grad(self):
-        self.grads.zero_()
+        for p in self.params:
+            p.grad = None
+
+
+def largest_share(numels, world_size):
+    """The fraction of the optimizer state the most loaded rank holds under the greedy partition."""
+    parts = greedy_partition(numels, world_size)
+    return max(sum(numels[i] for i in ids) for ids in parts) / sum(numels)

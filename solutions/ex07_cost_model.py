@@ -1,37 +1,35 @@
-"""Exercise 07 — a cost model you can check (worked answers). See exercises/ex07_cost_model.py."""
-from zerolab import comm
+"""Exercise 07 — worked answers: a phase-aware step time and the largest model that fits.
+See exercises/ex07_cost_model.py."""
 from zerolab.memory import model_state_bytes
 
 PHASES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
 
-
-def _collectives(num_params, stage, word_bytes):
-    """The step's collectives as (op, full-buffer bytes), ZeRO Sec. 7."""
-    s = word_bytes * num_params
-    if stage == 0:
-        return [("all_reduce", s)]                              # gradients: 2Ψ
-    if stage in (1, 2):
-        return [("reduce_scatter", s), ("all_gather", s)]       # grads to owners, params back: 2Ψ
-    if stage == 3:
-        return [("all_gather", s), ("all_gather", s), ("reduce_scatter", s)]   # 3Ψ = 1.5x DP
-    raise ValueError(f"stage={stage!r}: choose 0, 1, 2 or 3")
-
-
-def wire_bytes(num_params, world_size, stage, *, word_bytes=2):
-    # zerolab.comm.ring_bytes is the ring's per-rank count of one collective: (N-1)/N·S per phase
-    return sum(comm.ring_bytes(op, s, world_size) for op, s in _collectives(num_params, stage, word_bytes))
+# When each stage's collectives run (ZeRO Sec. 7; DeepSpeed's order): "forward" / "backward" can
+# hide under that phase's compute; "exposed" runs while nothing computes.
+SCHEDULE = {
+    0: [("all_reduce", "backward")],                                  # DDP: buckets during backward
+    1: [("reduce_scatter", "exposed"), ("all_gather", "exposed")],    # after backward, after the update
+    2: [("reduce_scatter", "backward"), ("all_gather", "exposed")],   # buckets during backward
+    3: [("all_gather", "forward"), ("all_gather", "backward"), ("reduce_scatter", "backward")],
+}
 
 
 def step_time(num_params, world_size, stage, *, tokens_per_rank, peak_flops, mfu, bandwidth,
-              latency, overlap=True, word_bytes=2):
-    n = world_size
-    compute = 6 * num_params * tokens_per_rank / (peak_flops * mfu)
-    comm_s = 0.0
+              latency, word_bytes=2, prefetch=True):
+    if stage not in SCHEDULE:
+        raise ValueError(f"stage={stage!r}: choose 0, 1, 2 or 3")
+    n, s = world_size, word_bytes * num_params
+    flops = peak_flops * mfu
+    compute = {"forward": 2 * num_params * tokens_per_rank / flops,
+               "backward": 4 * num_params * tokens_per_rank / flops}
+    comm = {"forward": 0.0, "backward": 0.0, "exposed": 0.0}
     if n > 1:
-        for op, s in _collectives(num_params, stage, word_bytes):
-            # alpha-beta: N-1 ring steps per phase, each a latency plus a 1/N chunk over the link
-            comm_s += PHASES[op] * ((n - 1) * latency + (n - 1) / n * s / bandwidth)
-    return max(compute, comm_s) if overlap else compute + comm_s
+        for op, when in SCHEDULE[stage]:
+            if when == "forward" and not prefetch:
+                when = "exposed"                  # without prefetch every gather blocks its unit
+            comm[when] += PHASES[op] * ((n - 1) * latency + (n - 1) / n * s / bandwidth)
+    return (max(compute["forward"], comm["forward"]) + max(compute["backward"], comm["backward"])
+            + comm["exposed"])
 
 
 def largest_model(world_size, stage, device_memory, *, offload=False, reserved_bytes=0.0):

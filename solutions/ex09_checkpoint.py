@@ -1,23 +1,20 @@
-"""Exercise 09 — worked solution: who owns which elements, and putting a parameter back together."""
+"""Exercise 09 — worked answers: a parameter from its pieces, a new rank's shard straight from the
+pieces, and the bytes a load reads."""
 import torch
 
 
-def owned_ranges(numels, world_size, rank):
-    """The parts of each parameter that ``rank`` owns in the padded flat layout: a list of
-    ``(index, lo, hi, offset)`` (see the exercise for the full contract)."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-    shard = -(-sum(numels) // world_size)             # S = ceil(Ψ / N): padding makes N·S
-    first, last = rank * shard, (rank + 1) * shard    # this rank's flat elements
-    out, start = [], 0
-    for index, n in enumerate(numels):
-        a, b = max(first, start), min(last, start + n)    # intersection, in flat coordinates
-        if a < b:
-            out.append((index, a - start, b - start, a - first))
-        start += n
-    return out
+def _check_piece(numel, lo, hi, values, where=""):
+    if not 0 <= lo < hi <= numel or values.numel() != hi - lo:
+        raise ValueError(f"{where}piece [{lo}, {hi}) with {values.numel()} values does not fit a parameter "
+                         f"of {numel} elements")
+
+
+def _check_count(count, offset, what):
+    for bad, how in ((count == 0, "missing"), (count > 1, "covered more than once")):
+        if bool(bad.any()):
+            idx = (bad.nonzero().reshape(-1) + offset)
+            raise ValueError(f"{what}elements {idx[:5].tolist()}{'...' if idx.numel() > 5 else ''} "
+                             f"({idx.numel()} in all) are {how}")
 
 
 def assemble(numel, pieces):
@@ -27,14 +24,39 @@ def assemble(numel, pieces):
     full = torch.zeros(numel, dtype=pieces[0][2].dtype)
     count = torch.zeros(numel, dtype=torch.int64)
     for lo, hi, values in pieces:
-        if not 0 <= lo < hi <= numel or values.numel() != hi - lo:
-            raise ValueError(f"piece [{lo}, {hi}) with {values.numel()} values does not fit a parameter "
-                             f"of {numel} elements")
+        _check_piece(numel, lo, hi, values)
         full[lo:hi] = values.reshape(-1)
         count[lo:hi] += 1
-    for bad, what in ((count == 0, "missing"), (count > 1, "covered more than once")):
-        if bool(bad.any()):
-            idx = bad.nonzero().reshape(-1)
-            raise ValueError(f"elements {idx[:5].tolist()}{'...' if idx.numel() > 5 else ''} "
-                             f"({idx.numel()} in all) are {what}")
+    _check_count(count, 0, "")
     return full
+
+
+def load_shard(numels, pieces, world_size, rank):
+    s = -(-sum(numels) // world_size)                       # S: the new layout's shard size
+    first, last = rank * s, (rank + 1) * s                  # this rank's flat elements
+    dtype = next((v.dtype for ps in pieces.values() for _, _, v in ps), torch.float32)
+    shard = torch.zeros(s, dtype=dtype)
+    start = 0
+    for index, numel in enumerate(numels):
+        a, b = max(first, start), min(last, start + numel)  # the part of this parameter we own
+        if a < b:
+            lo, hi = a - start, b - start                   # ... in the parameter's coordinates
+            count = torch.zeros(hi - lo, dtype=torch.int8)  # 1 byte per owned element
+            for plo, phi, values in pieces.get(index, []):
+                _check_piece(numel, plo, phi, values, f"parameter {index}: ")
+                c, d = max(lo, plo), min(hi, phi)           # the piece's overlap with what we own
+                if c < d:
+                    shard[start + c - first:start + d - first] = values.reshape(-1)[c - plo:d - plo]
+                    count[c - lo:d - lo] += 1
+            _check_count(count, lo, f"parameter {index}: ")
+        start += numel
+    return shard
+
+
+def bytes_read(load):
+    def rchar():
+        with open("/proc/self/io") as f:                    # the kernel's count of bytes read
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    before = rchar()
+    load()
+    return rchar() - before

@@ -15,6 +15,13 @@ def pytest_addoption(parser):
                     help="invert graded outcomes: each graded test passes only if it FAILS because of "
                          "the stub, a NotImplementedError raised by the exercise file under test (run "
                          "on the untouched exercises/ to prove every graded test can fail).")
+    group.addoption("--impl-each", default=None, metavar="DIRS",
+                    help="run every graded test once per folder of DIRS (separated by os.pathsep), one "
+                         "folder after the other on the same ranks, skipping a folder's remaining tests "
+                         "once one failed (tests/test_wrong_answers.py)")
+    group.addoption("--impl-report", default=None, metavar="PATH",
+                    help="append one JSON line per graded test result to PATH: the folder graded "
+                         "(--impl-each), the test, its outcome and its failure's last lines")
 
 
 def pytest_configure(config):
@@ -24,11 +31,43 @@ def pytest_configure(config):
     os.environ.setdefault("ZEROLAB_IMPL", "exercises")
 
 
+def pytest_generate_tests(metafunc):
+    dirs = metafunc.config.getoption("--impl-each")
+    if dirs and "_impl_each" in metafunc.fixturenames:   # graded tests (tests/graded/conftest.py)
+        dirs = [d for d in dirs.split(os.pathsep) if d]
+        metafunc.parametrize("_impl_each", dirs, indirect=True, scope="session",
+                             ids=[os.path.basename(os.path.normpath(d)) for d in dirs])
+
+
+_REJECTED = set()  # --impl-each: folders a graded test already failed; their other tests are skipped
+
+
+def _impl_of(item):
+    return getattr(getattr(item, "callspec", None), "params", {}).get("_impl_each")
+
+
+def pytest_runtest_setup(item):
+    if _impl_of(item) in _REJECTED:
+        pytest.skip("an earlier graded test already rejected this implementation")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     setattr(item, f"rep_{report.when}", report)  # lets fixtures see the outcome (screenshots)
+    path = item.config.getoption("--impl-report")
+    if path and item.get_closest_marker("points") is not None and (
+            report.when == "call" or (report.when == "setup" and not report.passed)):
+        import json
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        text = report.longreprtext if report.failed else ""
+        if report.failed and params.get("_impl_each"):
+            _REJECTED.add(params["_impl_each"])
+        with open(path, "a") as f:
+            f.write(json.dumps({"impl": params.get("_impl_each", os.environ.get("ZEROLAB_IMPL")),
+                                "test": item.originalname or item.name, "nodeid": item.nodeid,
+                                "outcome": report.outcome, "message": text[-1500:]}) + "\n")
     if not item.config.getoption("--stubs-must-fail") or item.get_closest_marker("points") is None:
         return
     # A graded test passes the gate only if it fails BECAUSE of the stub (its NotImplementedError).
@@ -53,6 +92,9 @@ class _Clusters:
             timeout = float(os.environ.get("ZEROLAB_TEST_TIMEOUT", 60))
             self._live[world_size] = Cluster(world_size, timeout=timeout)
         return self._live[world_size]
+
+    def live(self):
+        return list(self._live.values())
 
     def close(self):
         for c in self._live.values():
@@ -113,3 +155,21 @@ def pytest_sessionfinish(session):
     for line in lines:
         write("  " + line)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- the wrong answers' kill rates (tests/test_wrong_answers.py), printed at the end ------------------
+_KILL_RATES = []
+
+
+@pytest.fixture
+def kill_rates():
+    """A list a test appends one summary per exercise to; printed in the session's summary."""
+    return _KILL_RATES
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _KILL_RATES:
+        terminalreporter.section("wrong answers rejected by the graded tests")
+        for block in _KILL_RATES:
+            for line in block.splitlines():
+                terminalreporter.write_line(line)

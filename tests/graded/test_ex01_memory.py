@@ -1,8 +1,10 @@
-"""Graded: exercise 01, memory anatomy. The theory is checked against the ZeRO paper's worked
-example and closed forms (sharded kinds really 1/N); the measured accounting against bytes
-computed by hand from layer shapes: tied weights once, frozen layers without grads or state, mixed
-dtypes, fp32 masters, views into one flat buffer, and torch DDP's bucket-view gradients on 2 real
-ranks, where plain data parallelism must show the full 16 bytes/param on EVERY rank."""
+"""Graded: exercise 01, memory anatomy. The peak of a training step, measured while it runs, is
+checked against bytes computed by hand from layer shapes: tied weights once, a frozen layer without
+grads or state, two micro-batches, bf16 parameters with fp32 masters, and torch DDP's bucket-view
+gradients on 2 real ranks, where plain data parallelism must show the full 16 bytes/param on EVERY
+rank. Every step ends with zero_grad(set_to_none=True): a measurement taken only after the step
+misses the gradients. The theory is checked against the ZeRO paper's worked example and closed
+forms (sharded kinds really 1/N)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -38,6 +40,7 @@ def gpt_numel(vocab=256, d=64, layers=2, seq=32):
 # ------------------------------------------------------------------------------------------ theory
 @pytest.mark.points(2)
 def test_paper_worked_example():
+    """derived: the ZeRO paper's 120, 31.4, 16.6, 1.88 GB"""
     ex = _ex()
     # ZeRO Fig. 1: Ψ = 7.5B, N = 64, mixed-precision Adam: 120, 31.4, 16.6, 1.88 GB (1e9 bytes).
     for stage, gb, exact in [(0, 120.0, 120e9), (1, 31.4, 31.40625e9), (2, 16.6, 16.640625e9),
@@ -51,6 +54,7 @@ def test_paper_worked_example():
 @pytest.mark.points(2)
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "fp32"])
 def test_each_stage_shards_one_more_kind(mixed):
+    """derived: each stage divides one more kind by N"""
     ex = _ex()
     b, k = (2, 12) if mixed else (4, 8)
     for psi in (1000, 123_457):                   # 123457 is divisible by none of the N below
@@ -69,6 +73,7 @@ def test_each_stage_shards_one_more_kind(mixed):
 
 @pytest.mark.points(2)
 def test_offload_moves_the_owned_states_to_the_host():
+    """derived: ZeRO-Offload's split between device and host"""
     ex = _ex()
     # ZeRO-Offload (arXiv 2101.06840): the device keeps 2-byte params (2Ψ on top of stage 2);
     # grad shard + fp32 master + moments, (2 + 12)Ψ/N, live on the host.
@@ -87,88 +92,82 @@ def test_offload_moves_the_owned_states_to_the_host():
 
 
 # ---------------------------------------------------------------------------------------- measured
-@pytest.mark.points(1)
-def test_unique_storage_bytes():
-    ex = _ex()
-    buf = torch.zeros(100)                                        # 400 bytes
-    views = [buf[:10], buf[10:50].view(4, 10), buf]
-    got = ex.unique_storage_bytes(views + [None, torch.zeros(0)])
-    assert got == 400, f"three views of one 400-byte buffer (and an empty tensor) count {got} bytes"
-    mixed = [torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.bfloat16),
-             torch.zeros(3, dtype=torch.int8), torch.zeros(3)]
-    got = ex.unique_storage_bytes(mixed + mixed)
-    assert got == 3 * (8 + 2 + 1 + 4), f"fp64 + bf16 + int8 + fp32 (3 elements each): got {got}"
-    model = models.build("gpt")
-    numel, _ = gpt_numel()
-    got = ex.unique_storage_bytes(list(model.state_dict().values()))  # lists the tied weight twice
-    assert got == 4 * numel, f"TinyGPT's state_dict: {got} bytes, expected {4 * numel} (tied weight once)"
+def _hooks_left(model, optimizer):
+    left = [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        left.append("the optimizer's step hooks")
+    return left
 
 
-def _step(model, opt, name="gpt"):
-    x, y = models.batch(name, model=model, batch_size=4)
-    model(x, y).backward()
-    opt.step()
-
-
-@pytest.mark.points(2)
-def test_measured_tied_weights_fp32_adam():
+@pytest.mark.points(3)
+def test_peak_of_a_step_tied_weights_fp32_adam():
+    """peak during the step: grads released by zero_grad(set_to_none=True) still count"""
     ex = _ex()
     model = models.build("gpt")
     numel, tensors = gpt_numel()
     opt = torch.optim.AdamW(model.parameters())
-    _expect(ex.measured_model_states(model, opt), {"params": 4 * numel, "grads": 0, "optimizer": 0},
-            "TinyGPT before the first step")
-    _step(model, opt)
-    # 4 + 4 + 8 = 16 bytes/param, plus Adam's 4-byte `step` counter per parameter tensor.
-    _expect(ex.measured_model_states(model, opt),
-            {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors},
-            "TinyGPT (tied weights) after one AdamW step")
+    x, y = models.batch("gpt", model=model, batch_size=4)
+
+    def run_step():
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)            # the gradients are gone when run_step returns
+
+    for attempt in (1, 2):                          # the second step starts with Adam's state
+        got = ex.peak_model_states(model, opt, run_step)
+        # 4 + 4 + 8 = 16 bytes/param, plus Adam's 4-byte `step` counter per parameter tensor, all held
+        # together right after optimizer.step(), before zero_grad.
+        _expect(got, {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors,
+                      "total": 16 * numel + 4 * tensors}, f"TinyGPT (tied weights), AdamW step {attempt}")
+        left = _hooks_left(model, opt)
+        assert not left, f"peak_model_states left hooks behind on {left[:4]}"
 
 
-@pytest.mark.points(2)
-def test_measured_frozen_params_mixed_dtypes_and_masters():
+@pytest.mark.points(3)
+def test_peak_with_fp32_masters():
+    """peak during the step: bf16 model, fp32 masters in the optimizer (mixed precision by hand)"""
     ex = _ex()
-    mlp = models.build("mlp")
-    trainable, frozen = (13 * 37 + 37) + (37 * 37 + 37) + (37 * 5 + 5), 37 * 37 + 37
-    opt = torch.optim.Adam(mlp.parameters())
-    _step(mlp, opt, "mlp")
-    _expect(ex.measured_model_states(mlp, opt),
-            {"params": 4 * (trainable + frozen), "grads": 4 * trainable, "optimizer": 8 * trainable + 4 * 6},
-            "ToyMLP (a frozen layer: no grad, no Adam state)")
-
-    net = nn.Sequential(nn.Linear(3, 4).double(), nn.Linear(4, 2).half())
-    _expect(ex.measured_model_states(net), {"params": 8 * 16 + 2 * 10, "grads": 0, "optimizer": 0},
-            "fp64 + fp16 layers")
-
-    model = models.build("gpt", dtype=torch.bfloat16)          # mixed precision by hand
+    model = models.build("gpt", dtype=torch.bfloat16)
     numel, tensors = gpt_numel()
     masters = [p.detach().float().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(masters)
     x, y = models.batch("gpt", model=model, batch_size=2)
-    model(x, y).backward()
-    for m, p in zip(masters, model.parameters()):
-        m.grad = p.grad.float()
-    opt.step()
-    for m in masters:
-        m.grad = None
-    # 2 + 2 + 12 (fp32 master + m + v) = 16 bytes/param, plus the step counters
-    _expect(ex.measured_model_states(model, opt),
-            {"params": 2 * numel, "grads": 2 * numel, "optimizer": 12 * numel + 4 * tensors},
-            "bf16 TinyGPT with fp32 master copies in AdamW")
+
+    def run_step():
+        model(x, y).backward()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+        opt.step()
+        for m in masters:
+            m.grad = None
+        model.zero_grad(set_to_none=True)
+
+    got = ex.peak_model_states(model, opt, run_step)
+    # bf16 grads (2) and fp32 master grads (4) together before the step; after it, the fp32 master (4)
+    # and two moments (8) too: 2 + 6 + 12 = 20 bytes/param at once, plus the step counters.
+    _expect(got, {"params": 2 * numel, "grads": 6 * numel, "optimizer": 12 * numel + 4 * tensors,
+                  "total": 20 * numel + 4 * tensors}, "bf16 TinyGPT with fp32 masters in AdamW")
 
 
-@pytest.mark.points(1)
-def test_measured_views_into_flat_buffers():
+@pytest.mark.points(2)
+def test_peak_frozen_layer_two_micro_batches():
+    """peak during the step: gradient accumulation (two backward passes), a frozen layer"""
     ex = _ex()
-    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))      # 42 + 24 = 66 elements
-    flat, grads = torch.zeros(68), torch.zeros(68)               # padded to a multiple of 4
-    offset = 0
-    for p in model.parameters():                                 # params and grads become views
-        p.data = flat[offset:offset + p.numel()].view_as(p)
-        p.grad = grads[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
-    _expect(ex.measured_model_states(model), {"params": 68 * 4, "grads": 68 * 4, "optimizer": 0},
-            "params and grads as views into padded flat buffers")
+    mlp = models.build("mlp")
+    trainable, frozen = (13 * 37 + 37) + (37 * 37 + 37) + (37 * 5 + 5), 37 * 37 + 37
+    opt = torch.optim.Adam(mlp.parameters())
+
+    def run_step():
+        for seed in (1, 2):                          # two micro-batches, one step
+            x, y = models.batch("mlp", seed=seed, batch_size=4)
+            mlp(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    got = ex.peak_model_states(mlp, opt, run_step)
+    _expect(got, {"params": 4 * (trainable + frozen), "grads": 4 * trainable, "optimizer": 8 * trainable + 4 * 6,
+                  "total": 4 * (trainable + frozen) + 12 * trainable + 4 * 6},
+            "ToyMLP (a frozen layer: no grad, no Adam state), two micro-batches")
 
 
 def check_ddp_replicates():
@@ -183,18 +182,23 @@ def check_ddp_replicates():
     ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
     opt = torch.optim.AdamW(model.parameters())
     x, y = models.batch("gpt", seed=rank, model=model, batch_size=4)
-    ddp(x, y).backward()
-    opt.step()
-    got = ex.measured_model_states(model, opt)
-    _expect(got, {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors},
-            f"rank {rank}: DDP model states")
+
+    def run_step():
+        ddp(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)    # the gradients stay views into DDP's buckets
+
+    run_step()                     # DDP rebuilds its buckets after the first iteration: measure the next
+    got = ex.peak_model_states(model, opt, run_step)
+    _expect(got, {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors,
+                  "total": 16 * numel + 4 * tensors}, f"rank {rank}: DDP model states at their peak")
     theory = ex.model_state_bytes(numel, n, 0, mixed_precision=False)["total"]
-    measured = sum(got.values()) - 4 * tensors
-    assert measured == theory == 16 * numel, (
-        f"rank {rank}: measured {measured} bytes of model states (without step counters), "
-        f"theory for DP {theory}; both must be the full 16 x {numel} on every rank")
+    assert got["total"] - 4 * tensors == theory == 16 * numel, (
+        f"rank {rank}: measured {got['total'] - 4 * tensors} bytes of model states at the peak (without step "
+        f"counters), theory for DP {theory}; both must be the full 16 x {numel} on every rank")
 
 
 @pytest.mark.points(2)
 def test_data_parallel_replicates_on_real_ranks(on_ranks):
+    """peak during the step on 2 real ranks: DDP holds everything on every rank"""
     on_ranks(2, check_ddp_replicates)

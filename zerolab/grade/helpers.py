@@ -23,8 +23,8 @@ import types
 from zerolab.grade.checkout import REPO
 from zerolab.grade.references import guard, runtime_check
 
-__all__ = ["REPO", "impl_dir", "exercise_module", "assert_close", "point_to_point_only",
-           "record_collectives"]
+__all__ = ["REPO", "impl_dir", "use_impl", "exercise_module", "assert_close", "point_to_point_only",
+           "record_collectives", "live_storages", "new_bytes"]
 
 
 def impl_dir():
@@ -34,6 +34,13 @@ def impl_dir():
     if not path.is_dir():
         raise FileNotFoundError(f"ZEROLAB_IMPL={choice!r}: no such folder {path}")
     return path.resolve()
+
+
+def use_impl(path):
+    """From now on, in this process, grade the folder ``path`` (sets ``ZEROLAB_IMPL``; the next
+    :func:`exercise_module` imports from it). Run on live ranks too when switching a test session
+    from one implementation to the next (``pytest --impl-each``)."""
+    os.environ["ZEROLAB_IMPL"] = str(path)
 
 
 def exercise_module(name):
@@ -98,12 +105,12 @@ _COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "reduce
 def point_to_point_only(what):
     """Inside the region torch's collectives raise, and p2p sends are counted.
 
-    Yields a dict whose 'sent' entry is the bytes this rank passed to send/isend. Patching the
-    torch.distributed module attributes catches calls made through ``dist.isend`` and through
-    ``zerolab.comm`` alike.
+    Yields a dict: 'sent' (bytes this rank passed to send/isend), 'sends' (how many), and 'to' (each
+    send's (destination global rank, bytes), in call order). Patching the torch.distributed module
+    attributes catches calls made through ``dist.isend`` and through ``zerolab.comm`` alike.
     """
     import torch.distributed as dist
-    counter = {"sent": 0, "sends": 0}
+    counter = {"sent": 0, "sends": 0, "to": []}
     saved = {name: getattr(dist, name) for name in _COLLECTIVES + ("isend", "send") if hasattr(dist, name)}
 
     def forbidden(name):
@@ -116,6 +123,7 @@ def point_to_point_only(what):
         def call(tensor, *args, **kwargs):
             counter["sent"] += tensor.numel() * tensor.element_size()
             counter["sends"] += 1
+            counter["to"].append((_peer(real, (tensor,) + args, kwargs, "dst"), tensor.numel() * tensor.element_size()))
             return real(tensor, *args, **kwargs)
         return call
 
@@ -128,6 +136,27 @@ def point_to_point_only(what):
             setattr(dist, name, fn)
 
 
+def _bound(real, args, kwargs):
+    import inspect
+    try:
+        return inspect.signature(real).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return dict(kwargs)
+
+
+def _peer(real, args, kwargs, *names):
+    """The global rank a send / reduce / broadcast goes to or comes from (None if not given)."""
+    import torch.distributed as dist
+    bound = _bound(real, args, kwargs)
+    for name in names:
+        if bound.get(name) is not None:
+            return bound[name]
+        group_name = "group_" + name        # torch's group-relative spelling (group_dst, group_src)
+        if bound.get(group_name) is not None:
+            return dist.get_global_rank(bound["group"], bound[group_name]) if bound.get("group") else bound[group_name]
+    return None
+
+
 _OP_NAMES = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
              "_reduce_scatter_flat": "reduce_scatter", "all_gather_into_tensor": "all_gather",
              "all_gather_single": "all_gather", "_all_gather_flat": "all_gather"}
@@ -136,11 +165,12 @@ _OP_NAMES = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single":
 @contextlib.contextmanager
 def record_collectives():
     """Inside the region, every collective or send started through torch.distributed (directly or
-    via zerolab.comm) is recorded as {'op', 'bytes', 'in_backward'}: 'op' normalised
-    ('reduce_scatter', 'all_gather', 'all_reduce', 'broadcast', 'isend', ...), 'bytes' of its
-    largest tensor, 'in_backward' True when launched while autograd's backward was running (from a
-    gradient hook). Only the outermost call is recorded (torch's deprecated names call the new
-    ones). Yields the list."""
+    via zerolab.comm) is recorded as a dict: 'op' normalised ('reduce_scatter', 'all_gather',
+    'all_reduce', 'broadcast', 'reduce', 'isend', ...), 'bytes' of its largest tensor, 'in_backward'
+    True when launched while autograd's backward was running (from a gradient hook), 'async' (it was
+    started with ``async_op=True``), 'peer' (the global rank of ``dst`` / ``src`` for reduce,
+    broadcast and sends; else None) and 'seq' (its position among every call recorded, from 0).
+    Only the outermost call is recorded (torch's deprecated names call the new ones). Yields the list."""
     import threading
 
     import torch
@@ -153,9 +183,13 @@ def record_collectives():
             outer = not getattr(state, "inside", False)
             if outer:
                 tensors = [a for a in list(args) + list(kwargs.values()) if torch.is_tensor(a)]
+                bound = _bound(real, args, kwargs)
                 calls.append({"op": _OP_NAMES.get(name, name),
                               "bytes": max((t.numel() * t.element_size() for t in tensors), default=0),
-                              "in_backward": torch._C._current_graph_task_id() != -1})
+                              "in_backward": torch._C._current_graph_task_id() != -1,
+                              "async": bool(bound.get("async_op", False)) or name in ("isend", "irecv"),
+                              "peer": _peer(real, args, kwargs, "dst", "src"),
+                              "seq": len(calls)})
                 state.inside = True
             try:
                 return real(*args, **kwargs)
@@ -174,3 +208,38 @@ def record_collectives():
     finally:
         for mod, n, real in saved:
             setattr(mod, n, real)
+
+
+def live_storages(hold=None):
+    """{storage key: bytes} of every tensor the garbage collector can see now, each storage once
+    (views share one). A census independent of any engine's own accounting: take one before, one
+    at the moment that matters, and compare (:func:`new_bytes`). Tensors held only inside autograd's
+    graph (saved activations) have no Python object and are not seen. ``hold``: a list that gets
+    every tensor seen, to keep their storages alive, so that a later allocation cannot reuse an
+    address of the census (a key is the storage's address)."""
+    import gc
+
+    import torch
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            try:
+                st = obj.untyped_storage()
+            except RuntimeError:   # tensors without storage (sparse, nested, functorch wrappers)
+                continue
+            if st.nbytes():
+                out[(st.device.type, st.device.index, st.data_ptr())] = st.nbytes()
+                if hold is not None:
+                    hold.append(obj)
+    return out
+
+
+def new_bytes(before, extra=()):
+    """Bytes of the storages alive now (the census, plus the tensors in ``extra``) that were not in
+    the census ``before``."""
+    now = live_storages()
+    for t in extra:
+        if t is not None and t.untyped_storage().nbytes():
+            st = t.untyped_storage()
+            now[(st.device.type, st.device.index, st.data_ptr())] = st.nbytes()
+    return sum(b for key, b in now.items() if key not in before)

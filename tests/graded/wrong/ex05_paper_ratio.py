@@ -1,0 +1,119 @@
+"""Wrong answer to exercise 05: the schedule is right; the traffic ratio is the paper's headline,
+3Ψ / 2Ψ = 1.5, whatever the model: the formula instead of what a step of this model sends (its root
+unit is gathered once, not twice)."""
+import torch
+import torch.distributed as dist
+
+from zerolab.flat import unique_trainable
+from zerolab.units import build_units
+from zerolab.zero3 import free, gather, reduce_scatter_grads, register_pre_backward
+
+
+class Zero3Schedule:
+    def __init__(self, model, *, group=None, prefetch=True):
+        self.group, self.prefetch = group, prefetch
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        trainable = unique_trainable(model.parameters())
+        self.units = build_units(model, None, trainable, world_size=self.world_size, rank=self.rank,
+                                 dtype=trainable[0].dtype, persist_numel=0)
+        self.grad_shards = [torch.zeros_like(u.shard) for u in self.units]
+        for u in self.units:
+            free(u)
+        self.setup(model)
+
+    def setup(self, model):
+        self.root = next((u for u in self.units if u.module is None), None)
+        self.blocks = [u for u in self.units if u.module is not None]
+        self.pending = {}
+        self.inflight = []
+        self.arrived = {}
+        self.unit_of = {id(p): u for u in self.units for p in u.flat.params}
+        model.register_forward_pre_hook(self._model_start)
+        for i, u in enumerate(self.blocks):
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out))
+        for u in self.units:
+            for p in u.flat.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+
+    def _ready(self, u):
+        """Make u's parameters whole: wait for its prefetch, or gather it now (blocking)."""
+        if u.index in self.pending:
+            self.pending.pop(u.index).wait()
+        elif not u.full.untyped_storage().nbytes():
+            gather(u, group=self.group)
+
+    def _start(self, u):
+        """Prefetch: start u's all-gather without waiting (unless it is gathered already)."""
+        if self.prefetch and u.index not in self.pending and not u.full.untyped_storage().nbytes():
+            self.pending[u.index] = gather(u, group=self.group, async_op=True)
+
+
+    def _model_start(self, module, args):
+        self.arrived = {u.index: set() for u in self.units}
+        if self.root is not None:
+            self._ready(self.root)
+        if self.blocks:
+            self._start(self.blocks[0])
+
+    def _before_forward(self, i):
+        self._ready(self.blocks[i])
+        if i + 1 < len(self.blocks):
+            self._start(self.blocks[i + 1])
+
+    def _after_forward(self, i, output):
+        free(self.blocks[i])
+        if torch.is_grad_enabled():
+            register_pre_backward(output, lambda: self._before_backward(i))
+
+
+    def _before_backward(self, i):
+        self._ready(self.blocks[i])
+        if i > 0:
+            self._start(self.blocks[i - 1])
+
+    @torch.no_grad()
+    def _grad_ready(self, p):
+        u = self.unit_of[id(p)]
+        self.arrived[u.index].add(id(p))
+        if len(self.arrived[u.index]) == len(u.flat.params):
+            self._reduce(u)
+
+    def _reduce(self, u):
+        grad_full = u.flat.new_buffer()
+        for p, view in zip(u.flat.params, u.flat.views(grad_full)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None
+        free(u)
+        if self.inflight:
+            self._complete(*self.inflight.pop(0))
+        self.inflight.append((u, grad_full, reduce_scatter_grads(u, grad_full, group=self.group)))
+
+    def _complete(self, u, grad_full, work):
+        if work is not None:
+            work.wait()
+        self.grad_shards[u.index] += u.flat.shard(grad_full) / self.world_size
+
+    @torch.no_grad()
+    def finish(self):
+        for u in self.units:
+            if u.index in self.arrived and len(self.arrived[u.index]) < len(u.flat.params):
+                self._reduce(u)
+        while self.inflight:
+            self._complete(*self.inflight.pop(0))
+        for u in self.units:
+            if u.index in self.pending:
+                self.pending.pop(u.index).wait()
+            free(u)
+        self.arrived = {}
+
+    def zero_grad(self):
+        for g in self.grad_shards:
+            g.zero_()
+
+
+
+def traffic_ratio(unit_numels, root_numel):
+    return 3 / 2      # ZeRO Sec. 7.2.2: stage 3 moves 1.5x the bytes of data parallelism

@@ -1,0 +1,52 @@
+"""Wrong answer to exercise 09: load_shard builds every parameter its shard overlaps in full (all of
+its pieces copied in) and checks only the part it owns. Right values and validation; but a rank
+that needs 75,000 elements of a 300,000-element parameter allocates all of it."""
+import torch
+
+
+def assemble(numel, pieces):
+    if not pieces:
+        raise ValueError(f"no pieces for a parameter of {numel} elements")
+    out = torch.zeros(numel, dtype=pieces[0][2].dtype)
+    hits = torch.zeros(numel, dtype=torch.int32)
+    for lo, hi, values in pieces:
+        if lo < 0 or hi > numel or lo >= hi or values.numel() != hi - lo:
+            raise ValueError(f"bad piece [{lo}, {hi}) for a parameter of {numel} elements")
+        out[lo:hi] = values.reshape(-1)
+        hits[lo:hi] += 1
+    if (hits != 1).any():
+        bad = (hits != 1).nonzero().reshape(-1).tolist()
+        raise ValueError(f"elements {bad[:5]} are missing or covered twice")
+    return out
+
+
+def load_shard(numels, pieces, world_size, rank):
+    S = -(-sum(numels) // world_size)
+    begin, end = rank * S, rank * S + S
+    dtype = next(iter(v.dtype for ps in pieces.values() for _, _, v in ps))
+    shard = torch.zeros(S, dtype=dtype)
+    offset = 0
+    for i, n in enumerate(numels):
+        lo, hi = max(begin, offset) - offset, min(end, offset + n) - offset
+        if lo < hi:
+            whole = torch.zeros(n, dtype=dtype)
+            seen = torch.zeros(n, dtype=torch.int8)
+            for a, b, v in pieces.get(i, []):
+                if not 0 <= a < b <= n or v.numel() != b - a:
+                    raise ValueError(f"parameter {i}: bad piece [{a}, {b})")
+                whole[a:b] = v
+                seen[a:b] += 1
+            if (seen[lo:hi] != 1).any():
+                raise ValueError(f"parameter {i}: elements of [{lo}, {hi}) missing or covered twice")
+            shard[offset + lo - begin:offset + hi - begin] = whole[lo:hi]
+        offset += n
+    return shard
+
+
+def bytes_read(load):
+    with open("/proc/self/io") as f:
+        before = dict(line.split(": ") for line in f.read().splitlines())
+    load()
+    with open("/proc/self/io") as f:
+        after = dict(line.split(": ") for line in f.read().splitlines())
+    return int(after["rchar"]) - int(before["rchar"])

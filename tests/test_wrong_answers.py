@@ -1,0 +1,107 @@
+"""The graded tests reject plausible wrong answers.
+
+Every file ``tests/graded/wrong/exNN_<what>.py`` is a complete exercise module, written as a student
+might write it: right final numbers, one property of the lesson broken. Its name says which exercise
+it answers (``exNN``) and what is wrong (``<what>``). For each exercise, one pytest session runs the
+exercise's graded tests once per wrong answer (``--impl-each``: each answer in a folder of its own,
+under the exercise's file name; the ranks are started once and switched from one answer to the
+next), and every wrong answer must fail at least one graded test, with a failure of the test itself
+(an assertion or a rank's error), not an import error or a stub's NotImplementedError. The kill rate
+is printed at the end of the session.
+
+To add a wrong answer, drop a file in tests/graded/wrong/ named after its exercise; nothing else.
+"""
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from zerolab.grade.checkout import exercise_name
+from zerolab.grade.references import declaration, static_check
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+GRADED = REPO / "tests" / "graded"
+WRONG = GRADED / "wrong"
+# A failure that says the wrong answer itself is broken, not that the tests caught its mistake.
+BROKEN = re.compile(r"\b(ImportError|ModuleNotFoundError|SyntaxError|NameError|NotImplementedError|"
+                    r"AttributeError: module)\b")
+
+
+def wrong_answers():
+    """{lesson: (graded test file, [wrong answer files])}."""
+    found = {}
+    for path in sorted(WRONG.glob("ex[0-9][0-9]_*.py")):
+        lesson = path.name[2:4]
+        tests = sorted(GRADED.glob(f"test_ex{lesson}_*.py"))
+        found.setdefault(lesson, (tests[0] if tests else None, []))[1].append(path)
+    return found
+
+
+WRONG_ANSWERS = wrong_answers()
+
+
+def test_every_wrong_answer_has_an_exercise_and_every_exercise_has_three():
+    orphans = [p.name for lesson, (tests, paths) in WRONG_ANSWERS.items() if tests is None for p in paths]
+    assert not orphans, f"wrong answers for exercises that have no graded tests: {orphans}"
+    lessons = sorted(p.name[7:9] for p in GRADED.glob("test_ex[0-9][0-9]_*.py"))
+    few = {lesson: len(WRONG_ANSWERS.get(lesson, (None, []))[1]) for lesson in lessons}
+    few = {lesson: k for lesson, k in few.items() if k < 3}
+    assert not few, f"exercises with fewer than three wrong answers in tests/graded/wrong/: {few}"
+
+
+def _grade_each(test_file, wrong, tmp_path):
+    """Run ``test_file`` once per wrong answer in one pytest session; {answer: [result rows]}."""
+    name = exercise_name(test_file)
+    folders = []
+    for path in wrong:
+        folder = tmp_path / path.stem
+        folder.mkdir()
+        shutil.copy(path, folder / f"{name}.py")
+        folders.append(str(folder))
+    report = tmp_path / "report.jsonl"
+    env = dict(os.environ, ZEROLAB_TEST_TIMEOUT="90")
+    for key in ("PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS", "ZEROLAB_IMPL"):
+        env.pop(key, None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+         "--impl-each", os.pathsep.join(folders), "--impl-report", str(report)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1500)
+    rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    by_answer = {p.stem: [r for r in rows if pathlib.Path(r["impl"]).name == p.stem] for p in wrong}
+    return by_answer, proc.stdout
+
+
+@pytest.mark.parametrize("lesson", sorted(WRONG_ANSWERS))
+def test_graded_tests_reject_every_wrong_answer(lesson, tmp_path, kill_rates):
+    test_file, wrong = WRONG_ANSWERS[lesson]
+    refused, allowed = declaration(test_file)
+    for path in wrong:                   # rejected for its mistake, not for using the reference
+        reason = static_check(path.read_bytes(), f"{exercise_name(test_file)}.py", refused, allowed)
+        assert reason is None, f"{path.name} would be refused before any test runs: {reason}"
+    by_answer, output = _grade_each(test_file, wrong, tmp_path)
+    lines, problems = [], []
+    for path in wrong:
+        rows = by_answer[path.stem]
+        failed = [r for r in rows if r["outcome"] == "failed"]
+        passed = sum(1 for r in rows if r["outcome"] == "passed")
+        if not rows:
+            problems.append(f"{path.name}: no graded test ran")
+        elif not failed:
+            problems.append(f"{path.name}: passed all {len(rows)} graded tests")
+        else:
+            broken = [r["test"] for r in failed if BROKEN.search(r["message"])]
+            if broken:
+                problems.append(f"{path.name}: the wrong answer itself is broken ({broken[0]}: "
+                                f"{BROKEN.search(next(r['message'] for r in failed if r['test'] == broken[0])).group(0)})")
+        tests = sorted({r["test"] for r in failed})
+        lines.append(f"  {path.stem}: {'rejected by ' + ', '.join(tests) if failed else 'NOT REJECTED'}"
+                     f" ({passed} graded test{'s' if passed != 1 else ''} passed before)")
+    killed = sum(1 for path in wrong if any(r["outcome"] == "failed" for r in by_answer[path.stem]))
+    kill_rates.append(f"ex{lesson}: {killed} of {len(wrong)} wrong answers rejected "
+                      f"(kill rate {killed / len(wrong):.0%})\n" + "\n".join(lines))
+    assert not problems, "\n".join(problems) + "\n\n" + output[-4000:]
