@@ -92,6 +92,37 @@ def _sum(records, op=None, group=None, tag=None):
                if (op is None or o == op) and (group is None or g == group) and (tag is None or tag in t))
 
 
+def peers_of_each_collective():
+    ports = comm.peer_map()
+    out = {}
+    for op in ("all_reduce", "reduce_scatter", "all_gather"):
+        x = torch.ones(4 * 50000)
+        with comm.log(sockets=True) as log:
+            if op == "all_reduce":
+                comm.all_reduce(x)
+            elif op == "reduce_scatter":
+                comm.reduce_scatter(torch.empty(50000), x)
+            else:
+                comm.all_gather(torch.empty(4 * 50000), x[:50000])
+        out[op] = ({k: v for k, v in log.measured_by_peer(ports).items() if v > 1000}, log.by_peer())
+    return out
+
+
+def test_logged_peers_are_the_sockets_peers(clusters):
+    """comm's records say which neighbour each gloo ring collective sends to; the kernel agrees."""
+    for rank, got in enumerate(clusters(4).run(peers_of_each_collective)):
+        for op, (measured, logged) in got.items():
+            assert set(measured) == set(logged) and len(logged) == 1, (rank, op, measured, logged)
+            (peer, b), = logged.items()
+            assert b <= measured[peer] <= 1.01 * b + 4096, (rank, op, measured, logged)
+
+
+def test_flat_zero3_bytes_per_link_match_the_sockets(clusters):
+    for rank, got in enumerate(clusters(4).run(one_step, {}, True)):
+        for link in ("intra", "inter"):
+            assert got["links"][link] <= got["measured"][link] <= 1.05 * got["links"][link] + 4096, (rank, got)
+
+
 def test_hsdp_bytes_per_link_against_closed_forms_and_sockets(clusters):
     p, m = MESH[1], MESH[0]
     for rank, got in enumerate(clusters(4).run(one_step, dict(mesh=MESH), True)):

@@ -352,12 +352,14 @@ def _group_ranks(group):
 def _peers(op, ranks, sent, peers, impl, group):
     """{global rank: bytes} this rank sent under the algorithm: given (``peers``: group ranks), or for
     the ring collectives all of it to one neighbour: zerolab.ring sends to the next rank in group order
-    (r -> r+1); gloo's own rings send to the previous one (r -> r-1: measured per socket, tests/
-    test_mesh.py). Unknown ({}) on NCCL, which picks its rings and trees from the topology."""
+    (r -> r+1); gloo's own rings: all_reduce (and reduce_scatter, which gloo runs as one) send to the
+    previous rank (r -> r-1), all_gather to the next (r -> r+1), as measured per socket
+    (tests/test_hybrid.py). Unknown ({}) on NCCL, which picks its rings and trees from the topology."""
     if peers is not None:
         return {ranks[i]: b for i, b in peers.items() if b}
     if op in ("all_reduce", "reduce_scatter", "all_gather") and len(ranks) > 1 and sent:
-        step = 1 if impl == "ring" else -1 if _backend(group) == "gloo" else None
+        gloo = _backend(group) == "gloo"
+        step = 1 if impl == "ring" or (gloo and op == "all_gather") else -1 if gloo else None
         if step is not None:
             me = ranks.index(dist.get_rank())
             return {ranks[(me + step) % len(ranks)]: sent}
