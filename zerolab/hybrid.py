@@ -221,3 +221,56 @@ class HybridEngine(Zero3Engine):
         box = [meta]
         dist.broadcast_object_list(box, src=0)        # the world's rank 0 is node 0's rank 0
         return box[0]
+
+
+# -- the lesson's convergence run ---------------------------------------------------------------------
+CONVERGENCE_GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
+CONVERGENCE_RUNS = {"exact": {}, "qwZ": dict(quantize_weights=True),
+                    "qwZ + qgZ (int4)": dict(mesh=(2, 2), hpz=True, quantize_weights=True, quantize_gradients="int4")}
+
+
+def progression_batch(seed, batch_size=8, vocab_size=64, seq_len=16):
+    """A learnable next-token task (random tokens are not: their loss stays at ln V): each sequence
+    counts from a random start by a random stride of 1-4, modulo V. The model must read the stride
+    from the context: loss falls from ln V toward 0."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab_size, (batch_size, 1), generator=g)
+    stride = torch.randint(1, 5, (batch_size, 1), generator=g)
+    tokens = (start + stride * torch.arange(seq_len + 1)) % vocab_size
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def convergence_losses(options, steps, *, lr=3e-3, quantize_block=64):
+    """On every rank: TinyGPT (:data:`CONVERGENCE_GPT`) trained with stage 3 and ``options`` for
+    ``steps`` steps on :func:`progression_batch`; returns the loss of each step averaged over ranks.
+    ``python -m zerolab.hybrid OUT.json [STEPS]`` writes the three runs of :data:`CONVERGENCE_RUNS`
+    (lesson 12 plots them and re-checks a prefix live)."""
+    from zerolab import initialize, models
+    model = models.build("gpt", seed=0, **CONVERGENCE_GPT)
+    quantized = any(options.get(k) for k in ("quantize_weights", "quantize_gradients"))
+    engine = initialize(model, stage=3, lr=lr, **options, **({"quantize_block": quantize_block} if quantized else {}))
+    losses = []
+    for step in range(steps):
+        loss = engine(*progression_batch(1000 * step + dist.get_rank()))
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return losses
+
+
+def _write_convergence(path, steps):
+    import json
+    from zerolab.launch import Cluster
+    with Cluster(world_size=4, timeout=600) as cluster:
+        runs = {name: cluster.run(convergence_losses, options, steps)[0] for name, options in CONVERGENCE_RUNS.items()}
+    with open(path, "w") as f:
+        json.dump({"steps": steps, "model": CONVERGENCE_GPT, "runs": CONVERGENCE_RUNS, "losses": runs}, f)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    import sys
+    _write_convergence(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 300)
