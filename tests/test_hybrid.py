@@ -261,3 +261,28 @@ def test_refused_combinations_name_the_option(clusters):
         assert message is not None, f"{options} was accepted"
         for name in names:
             assert name in message, (options, name, message)
+
+
+def hsdp_checkpoint(path):
+    """HSDP saves (node 0's ranks write the one sharded copy); HSDP and flat stage 3 load it."""
+    def engine(**options):
+        return zerolab.initialize(models.build("gpt", seed=0, dtype=torch.float64), stage=3, lr=LR, **options)
+    trained = engine(mesh=MESH)
+    for step in range(2):
+        trained.backward(trained(*batch("gpt", step, dist.get_rank())))
+        trained.step()
+        trained.zero_grad()
+    trained.save_checkpoint(path)
+    want = trained.full_state_dict()
+    out = {}
+    for name, options in (("hsdp", dict(mesh=MESH)), ("flat", {})):
+        fresh = engine(**options)
+        fresh.load_checkpoint(path)
+        got = fresh.full_state_dict()
+        out[name] = all(torch.equal(got[k], want[k]) for k in want)
+    return out
+
+
+def test_hsdp_checkpoint_loads_into_hsdp_and_flat_stage_3(clusters, tmp_path):
+    for rank, got in enumerate(clusters(4).run(hsdp_checkpoint, str(tmp_path / "ckpt"))):
+        assert got == {"hsdp": True, "flat": True}, (rank, got)
