@@ -29,6 +29,10 @@ def pytest_configure(config):
     if impl:
         os.environ["ZEROLAB_IMPL"] = impl  # set before any rank starts, so ranks inherit it
     os.environ.setdefault("ZEROLAB_IMPL", "exercises")
+    # Every zerolab.comm collective is first checked across ranks (op, dtype, shape): a mismatch is
+    # a CollectiveMismatch naming the ranks, not silently wrong numbers (zerolab.comm's docstring).
+    # Set before any rank starts, so that ranks inherit it.
+    os.environ.setdefault("ZEROLAB_CHECK_COLLECTIVES", "1")
 
 
 def pytest_generate_tests(metafunc):

@@ -49,6 +49,8 @@ def _initialize_refusals():
     with_int_param = mlp()
     with_int_param.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.int64),
                                                                   requires_grad=False))
+    with torch.device("meta"):
+        on_meta = models.build("mlp", seed=0)
     cases = {
         "stage": lambda: zerolab.initialize(mlp(), stage=4),
         "offload name": lambda: zerolab.initialize(mlp(), stage=2, offload="nvme"),
@@ -70,6 +72,8 @@ def _initialize_refusals():
     }
     for stage, offload in ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"),
                            (3, "optimizer")):   # a misspelt option, at every stage: never AdamW's TypeError
+        cases[f"meta, stage {stage} {offload}"] = \
+            lambda stage=stage, offload=offload: zerolab.initialize(on_meta, stage=stage, offload=offload)
         cases[f"unknown option, stage {stage} {offload}"] = \
             lambda stage=stage, offload=offload: zerolab.initialize(mlp(), stage=stage, offload=offload,
                                                                     weight_decy=0.1)
@@ -98,6 +102,9 @@ def test_initialize_refuses_bad_options_with_a_clear_message(clusters):
         "reduce_impl": "reduce_impl='tree' is not supported",
         "stage-3 option at stage 1": "unknown option 'prefetch' for stage 1; it is an option of stage 3",
         "bad stage-3 value": "prefetch='yes' is not valid for stage 3: True or False",
+        **{f"meta, stage {s} {o}": "materialize the model first, the same way on every rank: "
+                                   "model.to_empty(device='cpu')" for s, o in
+           ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"))},
         **{f"unknown option, stage {s} {o}": "unknown option 'weight_decy'" for s, o in
            ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"))},
     }

@@ -153,6 +153,23 @@ def _load_during_delayed_update(path):
     return train_engine("gpt", 2, stage=2, offload="optimizer", dtype=torch.float32, **LOOP, finish=then)
 
 
+@pytest.mark.parametrize("spec", ["1+offload", "2+offload", "3+offload"])
+def test_saving_during_a_delayed_update_changes_nothing_and_resumes_the_same_run(clusters, tmp_path, spec):
+    """Offload's delayed parameter update (one update stale) from the first step: saving after step
+    3 must not change steps 4-6 (it used to apply the pending update: 9.5e-3 apart after 3 steps),
+    and a run loaded from that checkpoint with the delayed update on must continue the same
+    trajectory, bit for bit, against the uninterrupted run (which tests/test_offload.py checks
+    against the single-process stale reference)."""
+    path = str(tmp_path / "ckpt")
+    kw = dict(dtype=torch.float32, delayed=True)
+    straight = clusters(2).run(train, spec, 6, **kw)
+    saving = clusters(2).run(train, spec, 6, save_at=3, path=path, **kw)
+    _check(saving, straight[0], f"{spec}: saved at step 3 along the way", exact=True)
+    assert checkpoint.read_metadata(path)["pending_update"] is True
+    _check(clusters(2).run(train, spec, 6, load=path, **kw), straight[0], f"{spec}: resumed from step 3",
+           exact=True)
+
+
 def test_load_waits_for_a_delayed_host_update(clusters, tmp_path):
     for rank, (saved, loaded, steps) in enumerate(clusters(2).run(_load_during_delayed_update, str(tmp_path))):
         assert steps == 2
@@ -185,6 +202,20 @@ def _copy(src, dst):
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst, checkpoint.read_metadata(dst)["files"]
+
+
+def test_an_edited_metadata_file_is_refused(saved, tmp_path):
+    import json
+    path, _ = _copy(saved, tmp_path / "edited")
+    meta = json.loads((path / checkpoint.METADATA).read_text())
+    meta["steps"] = 50                                  # a step count changed by hand
+    (path / checkpoint.METADATA).write_text(json.dumps(meta, indent=1))
+    with pytest.raises(CheckpointError, match="metadata.json does not match its own SHA-256 checksum"):
+        checkpoint.consolidate(path)
+    del meta["checksum"]
+    (path / checkpoint.METADATA).write_text(json.dumps(meta, indent=1))
+    with pytest.raises(CheckpointError, match=r"lacks \['checksum'\]"):
+        checkpoint.read_metadata(path)
 
 
 def test_missing_truncated_or_altered_shard_is_named(saved, tmp_path):
@@ -248,7 +279,7 @@ def _save_that_crashes_before_its_metadata(path, until):
 
         def crash_at_commit(file, data):
             if file.name == checkpoint.METADATA:
-                raise OSError("disk full (injected)")
+                raise OSError(28, "No space left on device (injected)")
             write(file, data)
         checkpoint._atomic_write = crash_at_commit
         try:
@@ -261,19 +292,74 @@ def _save_that_crashes_before_its_metadata(path, until):
 
 def test_a_crash_during_save_leaves_the_last_good_checkpoint(clusters, ref, tmp_path):
     path = tmp_path / "ckpt"
-    cluster = zerolab.Cluster(2, timeout=20)
+    clusters(2).run(train, "2", 5, save_at=5, path=str(path))
+    before = sorted(p.name for p in path.iterdir())
+    with pytest.raises(zerolab.RankError, match=r"ranks 0, 1 raised CheckpointError: could not save the "
+                                                r"checkpoint .*rank 0: writing metadata.json: OSError: No space"):
+        clusters(2).run(_save_that_crashes_before_its_metadata, str(path), 7)  # saved at 5: 2 more steps
+    assert sorted(p.name for p in path.iterdir()) == before     # the failed save's shards are gone
+    _check([checkpoint.consolidate(path)], ref[5], "after the crash")
+    _check(clusters(2).run(train, "2", 10, load=str(path), save_at=10, path=str(path)), ref[10],
+           "resumed after the crash")
+    assert len(list(path.iterdir())) == len(before)
+
+
+# -- a failed save: every rank raises the same CheckpointError, keeps its state, leaves no file ------
+def _keep_training(path, until, fault=None):
+    """On the ranks of a shared cluster: build (first call) or reuse the engine in rank_state, train
+    to ``until``, then save into ``path`` with ``fault`` injected on rank 1: 'nospace' (its free-space
+    check says 0), 'fsync' (the write fails half way: ENOSPC from fsync), or None."""
+    import errno
+    import shutil
+    state = zerolab.rank_state()
+    if "ckpt engine" not in state:
+        model = build("gpt", model_kw=GPT)
+        state["ckpt engine"] = zerolab.initialize(model, stage=2, lr=LR)
+    engine = state["ckpt engine"]
+    run(engine, "gpt", until, shards=SHARDS, **DATA)
+    saved = {"usage": shutil.disk_usage, "fsync": os.fsync}
+    if dist.get_rank() == 1 and fault == "nospace":
+        checkpoint.shutil.disk_usage = lambda p: saved["usage"](p)._replace(free=0)
+    if dist.get_rank() == 1 and fault == "fsync":
+        def fail(fd):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        checkpoint.os.fsync = fail
     try:
-        cluster.run(train, "2", 5, save_at=5, path=str(path))
-        before = sorted(p.name for p in path.iterdir())
-        with pytest.raises(zerolab.RankError, match="rank 0 raised OSError: disk full"):
-            cluster.run(_save_that_crashes_before_its_metadata, str(path), 7)  # saved at 5: 2 more steps
-        assert len(list(path.iterdir())) > len(before)      # the new shards were written ...
-        _check([checkpoint.consolidate(path)], ref[5], "after the crash")  # ... and ignored
-        _check(cluster.run(train, "2", 10, load=str(path), save_at=10, path=str(path)), ref[10],
-                      "resumed after the crash")
-        assert len(list(path.iterdir())) == len(before)     # the next save removed the strays
+        engine.save_checkpoint(path, client_state={"data_position": engine.steps})
+    finally:
+        checkpoint.shutil.disk_usage, checkpoint.os.fsync = saved["usage"], saved["fsync"]
+    return engine.full_state_dict()
+
+
+def test_a_failed_save_raises_everywhere_keeps_the_ranks_and_leaves_nothing(tmp_path):
+    """A path that is a file; no space on one rank (found before writing); a write that fails half
+    way on one rank. Each time every rank raises the same CheckpointError naming the rank and the
+    cause, the engines live on in rank_state, no file of the failed save is left, and training goes
+    on to the same result as a run that never failed (so does a later save into the same folder)."""
+    folder, afile = tmp_path / "ckpt", tmp_path / "a file"
+    afile.write_text("not a folder")
+    straight = reference("gpt", SHARDS, 4, lr=LR, **DATA)
+    cluster = zerolab.Cluster(2, timeout=60)
+    try:
+        with pytest.raises(zerolab.RankError, match=r"ranks 0, 1 raised CheckpointError: could not save the "
+                                                    r"checkpoint into .*a file \(rank 0: .*a file exists and "
+                                                    r"is not a folder\)"):
+            cluster.run(_keep_training, str(afile), 1)
+        cluster.run(_keep_training, str(folder), 2)                 # a good checkpoint at step 2
+        good = sorted(p.name for p in folder.iterdir())
+        for step, fault, cause in ((3, "nospace", "rank 1: not enough space in .*: 0 bytes free"),
+                                   (4, "fsync", "rank 1: writing step00000004-.*OSError: No space left")):
+            with pytest.raises(zerolab.RankError, match=f"ranks 0, 1 raised CheckpointError: .*{cause}.*"
+                                                        f"the training state is intact"):
+                cluster.run(_keep_training, str(folder), step, fault)
+            assert sorted(p.name for p in folder.iterdir()) == good, f"{fault}: files left behind"
+            assert checkpoint.read_metadata(folder)["steps"] == 2
+        assert cluster.run(lambda: "ckpt engine" in zerolab.rank_state()) == [True, True]   # same ranks
+        results = cluster.run(_keep_training, str(folder), 4)      # saves into the same folder now
     finally:
         cluster.close()
+    _check(results, straight, "trained on through three failed saves")
+    assert checkpoint.read_metadata(folder)["steps"] == 4 and len(list(folder.iterdir())) == 3
 
 
 # -- faults: the error names the rank within the timeout; the cluster resumes from the checkpoint --

@@ -131,3 +131,55 @@ def test_initialize_dispatches_through_a_static_table():
                        (2, "optimizer"): Zero2OffloadEngine, (3, "optimizer"): Zero3OffloadEngine}
     for (stage, offload), cls in ENGINES.items():
         assert cls.stage == stage and cls.offloaded == (offload is not None)
+
+
+# -- floating buffers: rank 0's at every forward, as torch DDP's broadcast_buffers=True --------------
+def _bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _bn_data(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 6, generator=g, dtype=torch.float64) * (1 + rank), torch.randn(4, 3, generator=g,
+                                                                                          dtype=torch.float64)
+
+
+def _bn_against_ddp(stage, offload, broadcast):
+    """3 steps of a BatchNorm model on different data per rank, through torch DDP (its default
+    broadcast_buffers=True) and through the engine. Returns (engine's params and buffers, DDP's)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    rank = dist.get_rank()
+    ddp = DistributedDataParallel(_bn_model())
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR)
+    engine = zerolab.initialize(_bn_model(), stage=stage, offload=offload, lr=LR, broadcast_buffers=broadcast)
+    for step in range(3):
+        x, y = _bn_data(step, rank)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.backward(F.mse_loss(engine(x), y))
+        engine.step()
+        engine.zero_grad()
+    buffers = lambda m: {n: b.clone() for n, b in m.named_buffers() if b.is_floating_point()}
+    return engine.full_state_dict(), buffers(engine.module), ({n: p.detach().clone() for n, p in
+                                                              ddp.module.named_parameters()}, buffers(ddp.module))
+
+
+@pytest.mark.parametrize("stage,offload", ALL)
+def test_floating_buffers_follow_rank_0_as_torch_ddp(clusters, stage, offload):
+    """BatchNorm's running statistics: each forward starts from rank 0's (broadcast, DDP's default),
+    then moves with this rank's batch; parameters and every rank's buffers equal DDP's."""
+    for rank, (params, buffers, (ddp_params, ddp_buffers)) in enumerate(
+            clusters(2).run(_bn_against_ddp, stage, offload, True)):
+        assert_params([params], ddp_params, f"rank {rank}, stage {stage} {offload}: params", rtol=1e-10, atol=1e-12)
+        assert_params([buffers], ddp_buffers, f"rank {rank}, stage {stage} {offload}: buffers", rtol=1e-10,
+                      atol=1e-12)
+
+
+def test_floating_buffers_drift_apart_without_broadcast(clusters):
+    """broadcast_buffers=False: each rank's running statistics follow its own data only."""
+    (_, b0, (_, d0)), (_, b1, _) = clusters(2).run(_bn_against_ddp, 1, None, False)
+    assert not torch.equal(b0["1.running_mean"], b1["1.running_mean"])
+    torch.testing.assert_close(b0["1.running_mean"], d0["1.running_mean"])   # rank 0's is DDP's rank 0

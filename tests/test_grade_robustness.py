@@ -240,7 +240,9 @@ def test_solutions_are_not_importable_by_a_submission(tmp_path, graded):
 ])
 def test_reference_imports_score_zero_on_the_real_lesson(tmp_path, source, used):
     r, data, seconds = grade(submission(tmp_path, source, name="ex00_collectives.py"))
-    assert r.returncode == 0 and data["score"] == 0 and data["max_score"] == 21 and len(data["tests"]) == 9
+    graded_file = (REPO / "tests" / "graded" / "test_ex00_collectives.py").read_text()
+    tests = graded_file.count("\ndef test_")          # every graded test of lesson 00, each scored 0
+    assert r.returncode == 0 and data["score"] == 0 and data["max_score"] > 0 and len(data["tests"]) >= tests
     for t in data["tests"]:  # refused before any test runs: no rank started
         assert t["output"].startswith(f"refused: ex00_collectives.py line 1 uses {used}"), t["output"]
     assert "ex00: refused: " in data["output"]

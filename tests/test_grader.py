@@ -28,60 +28,41 @@ SCHEMA = {
     },
 }
 
-# Points of lesson 00's graded tests, by hand from tests/graded/test_ex00_collectives.py:
-# reduce_scatter 2 x 3 world sizes, all_gather 2 x 3, all_reduce 3 x 3.
-HALF_CORRECT = 2 * 3 + 2 * 3
+WRONG = REPO / "tests" / "graded" / "wrong"
+GRADED_00 = REPO / "tests" / "graded" / "test_ex00_collectives.py"
 
-# A student who wrote two of the three rings (with the one ring step the exercise offers) and
-# took a shortcut for the third.
-HALF = '''
-import torch
-import torch.distributed as dist
-from zerolab.ring import exchange
 
-def _ring(chunks, group, offset, reduce):
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    for step in range(n - 1):
-        out_i = (rank - step - offset) % n
-        in_i = (out_i - 1) % n
-        incoming = torch.empty_like(chunks[in_i]) if reduce else chunks[in_i]
-        exchange(chunks[out_i], incoming, (rank + 1) % n, (rank - 1) % n, group)
-        if reduce:
-            chunks[in_i] += incoming
+def _points(name):
+    """Points of one graded test of lesson 00 times its parametrizations, read from the test file."""
+    src = GRADED_00.read_text()
+    head = src[:src.index(f"def {name}(")].rsplit("\n\n\n", 1)[-1]
+    points = int(head.split("@pytest.mark.points(")[1].split(")")[0])
+    params = head.split("@pytest.mark.parametrize(")[1].count(",") if "parametrize(" in head else 1
+    return points * params
 
-def ring_reduce_scatter(output, input, group=None):
-    chunks = list(input.detach().clone().view(-1).chunk(dist.get_world_size(group)))
-    _ring(chunks, group, 1, True)
-    output.view(-1).copy_(chunks[dist.get_rank(group)])
-    return output
 
-def ring_all_gather(output, input, group=None):
-    chunks = list(output.view(-1).chunk(dist.get_world_size(group)))
-    chunks[dist.get_rank(group)].copy_(input.view(-1))
-    _ring(chunks, group, 0, False)
-    return output
-
-def ring_all_reduce(tensor, group=None):
-    dist.all_reduce(tensor)       # right values, wrong method: not a ring from send/recv
-    return tensor
-'''
+MAX_00 = sum(_points(n) for n in ("test_bidirectional_all_reduce_values", "test_both_directions_neighbours_only",
+                                  "test_reduce_bytes_measured"))
+# A student whose all-reduce is right and who took gloo's reduce bytes from the ring formula instead
+# of measuring them (one of lesson 00's wrong answers): every test but the measured one.
+HALF = (WRONG / "ex00_ring_reduce_formula.py").read_text()
+HALF_CORRECT = MAX_00 - _points("test_reduce_bytes_measured")
 
 HOSTILE = '''
 import os, signal, time
 import torch, torch.distributed as dist
 
-def ring_reduce_scatter(output, input, group=None):
-    dist.recv(torch.empty(1), src=(dist.get_rank() - 1) % dist.get_world_size())  # nobody sends: all hang
-    return output
+def bidirectional_all_reduce(tensor, group=None):
+    n = dist.get_world_size()
+    if n == 2:                                   # nobody sends: both ranks hang
+        dist.recv(torch.empty(1), src=(dist.get_rank() - 1) % n)
+    elif dist.get_rank() == 1:
+        os._exit(1)                              # kills its rank
+    return tensor
 
-def ring_all_gather(output, input, group=None):
-    if dist.get_rank() == 1:
-        os._exit(1)                          # kills its rank
-    return output
-
-def ring_all_reduce(tensor, group=None):
+def reduce_bytes(numel, dst, group=None):
     if dist.get_rank() == 0:
-        os.kill(os.getppid(), signal.SIGKILL)   # kills the grading process itself
+        os.kill(os.getppid(), signal.SIGKILL)    # kills the grading process itself
     time.sleep(30)
 '''
 
@@ -109,7 +90,7 @@ def test_csv_over_folders_and_zips_scores_each_student(tmp_path):
     r = _grade(subs, "--csv", out)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.reader(out.open()))
-    assert rows == [["student", "ex00", "total", "notes"], ["alice", "21", "21", ""],
+    assert rows == [["student", "ex00", "total", "notes"], ["alice", str(MAX_00), str(MAX_00), ""],
                     ["bob", str(HALF_CORRECT), str(HALF_CORRECT), ""]]
 
 
@@ -121,11 +102,12 @@ def test_hostile_submission_scores_zero_in_bounded_time_and_results_json_is_vali
     assert time.monotonic() - t0 < 300, "grading hanging code must end in bounded time"
     data = json.loads(results.read_text())
     jsonschema.validate(data, SCHEMA)
-    assert data["score"] == 0 and data["max_score"] == 21 and len(data["tests"]) == 9
+    assert data["score"] == 0 and data["max_score"] == MAX_00 and len(data["tests"]) == 4
     by_name = {t["name"]: t["output"] for t in data["tests"]}
-    assert "did not finish within 5 s" in by_name["test_ring_reduce_scatter[2]"]
-    assert "rank 1 died (exit code 1)" in by_name["test_ring_all_gather[2]"]
-    assert "crashed the grading process" in by_name["test_ring_all_reduce[2]"]
+    assert "did not finish within 5 s" in by_name["test_bidirectional_all_reduce_values[2]"]
+    assert "rank 1 died (exit code 1)" in by_name["test_bidirectional_all_reduce_values[4]"]
+    assert "rank 1 died (exit code 1)" in by_name["test_both_directions_neighbours_only"]
+    assert "crashed the grading process" in by_name["test_reduce_bytes_measured"]
 
 
 def test_results_json_is_written_even_when_grading_cannot_start(tmp_path):

@@ -3,6 +3,9 @@ to one process, tests/reference.py; HSDP equal to FSDP2's ``fully_shard`` on a 2
 bytes of each step per link (intra vs inter node) against closed forms and against the kernel's
 per-socket counters, hpZ's extra memory and the inter-node bytes it saves, qwZ/qgZ's bytes on the
 wire and their error, and the option combinations the engine refuses."""
+import contextlib
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -58,7 +61,27 @@ def test_hsdp_equals_fsdp2_on_a_2d_mesh(clusters):
 
 
 # -- bytes per link ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def unchecked():
+    """The kernel's socket counters see every byte, the tests' collective checks included
+    (ZEROLAB_CHECK_COLLECTIVES, one small all-reduce per call): measure sockets without them."""
+    old = os.environ.get(comm.CHECK_ENV)
+    os.environ[comm.CHECK_ENV] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(comm.CHECK_ENV, None)
+        else:
+            os.environ[comm.CHECK_ENV] = old
+
+
 def one_step(options, sockets=False):
+    with unchecked() if sockets else contextlib.nullcontext():
+        return _one_step(options, sockets)
+
+
+def _one_step(options, sockets):
     """One warm-up step, then one step measured: per-link bytes (logged; measured on the sockets),
     records (op, group, phase-free tag, sent bytes), unit sizes, state bytes."""
     model = models.build("gpt", seed=0, dtype=torch.float32, d_model=64)
@@ -93,6 +116,11 @@ def _sum(records, op=None, group=None, tag=None):
 
 
 def peers_of_each_collective():
+    with unchecked():
+        return _peers_of_each_collective()
+
+
+def _peers_of_each_collective():
     ports = comm.peer_map()
     out = {}
     for op in ("all_reduce", "reduce_scatter", "all_gather"):

@@ -287,3 +287,53 @@ def test_loss_scale_survives_a_checkpoint(clusters, tmp_path):
     for saved, loaded in clusters(2).run(run, str(tmp_path / "ckpt")):
         assert saved["scale"] == 2.0 ** 11 and loaded["scale"] == saved["scale"], (saved, loaded)
         assert loaded["_growth_tracker"] == saved["_growth_tracker"] == 1
+
+
+def _torch_clip_on_engine_params(stage, offload):
+    from zerolab import initialize
+    model = _build("gpt")
+    engine = initialize(model, stage=stage, offload=offload, optimizer=torch.optim.SGD, lr=0.5)
+    engine.backward(engine(*_data("gpt", model, 0, dist.get_rank())))
+    try:
+        norm = torch.nn.utils.clip_grad_norm_(engine.module.parameters(), MAX_NORM)
+    except RuntimeError as exc:
+        return str(exc)
+    return float(norm)
+
+
+@pytest.mark.parametrize("stage,offload", CONFIGS, ids=IDS)
+def test_torch_clip_grad_norm_on_sharded_parameters_is_refused(clusters, stage, offload):
+    """torch.nn.utils.clip_grad_norm_(engine.module.parameters()) gave a different norm per rank at
+    stage 1 and 0.0 at stages 2-3 (grads None), silently: refused there, pointing to the engine's;
+    stage 0 holds the whole averaged gradient on every rank, so torch's is right and allowed."""
+    norms, _ = clip_reference("gpt", 2, 2.0)
+    for rank, got in enumerate(clusters(2).run(_torch_clip_on_engine_params, stage, offload)):
+        if stage == 0:
+            assert got == pytest.approx(norms[0], rel=1e-12), (rank, got, norms[0])
+        else:
+            assert "engine.clip_grad_norm_(max_norm)" in got and f"stage {stage}" in got, got
+
+
+def _bf16_model_without_param_dtype(stage, offload):
+    from zerolab import initialize
+    model = _build("mlp", torch.bfloat16)
+    engine = initialize(model, stage=stage, offload=offload, optimizer=torch.optim.SGD, lr=1e-3)
+    engine.backward(engine(*_data("mlp", model, 0, dist.get_rank(), torch.bfloat16)))
+    engine.step()
+    mem = engine.memory_report()
+    return ({p.dtype for p in engine.module.parameters()}, sum(mem["master"].values()),
+            {t.dtype for t in engine.full_state_dict().values()})
+
+
+@pytest.mark.parametrize("stage,offload", CONFIGS, ids=IDS)
+def test_a_bf16_model_gets_fp32_masters_at_every_stage(clusters, stage, offload):
+    """One precision rule: a model built in bf16 with param_dtype=None computes in bf16 and steps fp32
+    masters at every stage (stage 0 used to train in pure bf16, stages 1-3 with masters)."""
+    model = _build("mlp", torch.bfloat16)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    for rank, (dtypes, master_bytes, saved) in enumerate(clusters(2).run(_bf16_model_without_param_dtype,
+                                                                         stage, offload)):
+        assert dtypes == {torch.bfloat16}, (rank, dtypes)
+        per_rank = 4 * trainable if stage == 0 else 4 * trainable / 2
+        assert per_rank <= master_bytes < per_rank + 4 * 64, (rank, master_bytes, per_rank)   # + padding
+        assert saved == {torch.float32}, (rank, saved)

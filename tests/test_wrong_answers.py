@@ -7,10 +7,16 @@ exercise's graded tests once per wrong answer (``--impl-each``: each answer in a
 under the exercise's file name; the ranks are started once and switched from one answer to the
 next), and every wrong answer must fail at least one graded test, with a failure of the test itself
 (an assertion or a rank's error), not an import error or a stub's NotImplementedError. The kill rate
-is printed at the end of the session.
+is printed at the end of the session, exercise by exercise.
 
-To add a wrong answer, drop a file in tests/graded/wrong/ named after its exercise; nothing else.
+A wrong answer may also name, in its docstring, the graded test aimed at its mistake (a line
+``Caught by: test_name.``; several names separated by commas): that test must then be among the
+ones that fail, so that a wrong answer rejected only by accident (a test aimed elsewhere) is seen.
+
+To add a wrong answer, drop a file in tests/graded/wrong/ named after its exercise (and, if you
+like, naming the test that must catch it); nothing else.
 """
+import ast
 import json
 import os
 import pathlib
@@ -27,9 +33,16 @@ from zerolab.grade.references import declaration, static_check
 REPO = pathlib.Path(__file__).resolve().parent.parent
 GRADED = REPO / "tests" / "graded"
 WRONG = GRADED / "wrong"
+CAUGHT_BY = re.compile(r"^Caught by:\s*(.+?)\.?\s*$", re.MULTILINE)
 # A failure that says the wrong answer itself is broken, not that the tests caught its mistake.
 BROKEN = re.compile(r"\b(ImportError|ModuleNotFoundError|SyntaxError|NameError|NotImplementedError|"
                     r"AttributeError: module)\b")
+
+
+def caught_by(path):
+    """The graded tests a wrong answer's docstring says must catch it (``Caught by: ...``), or []."""
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    return [name.strip() for match in CAUGHT_BY.findall(doc) for name in match.split(",") if name.strip()]
 
 
 def wrong_answers():
@@ -52,6 +65,9 @@ def test_every_wrong_answer_has_an_exercise_and_every_exercise_has_three():
     few = {lesson: len(WRONG_ANSWERS.get(lesson, (None, []))[1]) for lesson in lessons}
     few = {lesson: k for lesson, k in few.items() if k < 3}
     assert not few, f"exercises with fewer than three wrong answers in tests/graded/wrong/: {few}"
+    unknown = [f"{p.name}: {name}" for lesson, (tests, paths) in WRONG_ANSWERS.items() if tests is not None
+               for p in paths for name in caught_by(p) if not re.search(rf"^def {name}\(", tests.read_text(), re.M)]
+    assert not unknown, f"'Caught by:' names a test its exercise's graded file does not define: {unknown}"
 
 
 def _grade_each(test_file, wrong, tmp_path):
@@ -99,6 +115,10 @@ def test_graded_tests_reject_every_wrong_answer(lesson, tmp_path, kill_rates):
                 problems.append(f"{path.name}: the wrong answer itself is broken ({broken[0]}: "
                                 f"{BROKEN.search(next(r['message'] for r in failed if r['test'] == broken[0])).group(0)})")
         tests = sorted({r["test"] for r in failed})
+        missed = [t for t in caught_by(path) if t not in tests]
+        if failed and missed:
+            problems.append(f"{path.name}: {', '.join(missed)} should catch it, but the tests that failed "
+                            f"were {', '.join(tests)}")
         lines.append(f"  {path.stem}: {'rejected by ' + ', '.join(tests) if failed else 'NOT REJECTED'}"
                      f" ({passed} graded test{'s' if passed != 1 else ''} passed before)")
     killed = sum(1 for path in wrong if any(r["outcome"] == "failed" for r in by_answer[path.stem]))

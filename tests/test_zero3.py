@@ -300,3 +300,46 @@ def test_prefetched_gathers_are_labelled(clusters, prefetch):
     for tag, is_async in tags:
         assert tag.endswith(" prefetch") == is_async, tags
     assert any(is_async for _, is_async in tags) == prefetch, tags
+
+
+# -- a tie made in the model's own forward: refused with the unit named, not freed memory read ------
+class _ForwardTie(torch.nn.Module):
+    """emb's weight reused by hand as the output projection: emb and body are separate units."""
+
+    def __init__(self, tie_as_modules=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        if tie_as_modules:
+            self.head.weight = self.emb.weight            # the fix: one tensor, in the root unit
+        self.tie_as_modules = tie_as_modules
+
+    def forward(self, x, y):
+        h = torch.tanh(self.body(self.emb(x)))
+        w = self.head.weight if self.tie_as_modules else self.emb.weight
+        return torch.nn.functional.cross_entropy(torch.nn.functional.linear(h, w), y)
+
+
+def _forward_tie(tie_as_modules):
+    import zerolab
+    engine = zerolab.initialize(_ForwardTie(tie_as_modules), stage=3, lr=LR)
+    x = torch.randint(0, 16, (4,), generator=torch.Generator().manual_seed(dist.get_rank()))
+    try:
+        engine.backward(engine(x, x))
+        engine.step()
+        engine.backward(engine(x, x))
+    except RuntimeError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_a_tie_made_in_forward_is_refused_naming_the_unit_and_the_fix(clusters):
+    """F.linear(h, self.emb.weight) with emb a unit of its own read emb's freed storage (torch's
+    'setStorage ... out of bounds', or a crash); now the first forward names the unit and the fix;
+    the tie made as modules (head.weight = emb.weight) trains."""
+    for msg in clusters(2).run(_forward_tie, False):
+        assert "parameter 'emb.weight' of unit 'emb' is used outside that unit's forward" in msg, msg
+        assert "model.head.weight = model.emb.weight" in msg and "units=[...]" in msg, msg
+    assert clusters(2).run(_forward_tie, True) == ["trained", "trained"]

@@ -33,6 +33,7 @@ import os
 import pathlib
 import re
 import secrets
+import shutil
 import sys
 
 import torch
@@ -43,11 +44,13 @@ from zerolab.flat import unique_trainable
 FORMAT = "zerolab-checkpoint"
 VERSION = 1
 METADATA = "metadata.json"
+DEVICE = "device"          # a piece's compute-dtype values while a delayed update is pending
 _SHARD_FILE = re.compile(r"^step\d+-[0-9a-f]+-rank\d+-of-\d+\.pt(\.tmp)?$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, truncated, altered or incompatible files."""
+    """A checkpoint that cannot be loaded (missing, truncated, altered or incompatible files) or
+    saved (a destination that is a file, read-only or full: raised on every rank, state intact)."""
 
 
 # -- what this rank owns, addressed by parameter ---------------------------------------------
@@ -61,18 +64,21 @@ def _names(module):
 
 
 def _slots(engine):
-    """[(optimizer, master, [(name, lo, hi, offset)])]: each tensor an optimizer steps, with the
-    element ranges [lo, hi) of parameter ``name`` it holds, starting at ``offset`` in it, and whether
-    every rank holds the same (then rank 0 writes it). From the engine's public param_slots()."""
+    """[(optimizer, master, [(name, lo, hi, offset)], replicated, device)]: each tensor an optimizer
+    steps, with the element ranges [lo, hi) of parameter ``name`` it holds, starting at ``offset`` in
+    it, whether every rank holds the same (then rank 0 writes it), and the compute-dtype tensor that
+    may lag one update behind it (or None). From the engine's public param_slots()."""
     first, _ = _names(engine.module)
-    return [(s.optimizer, s.master, [(first[id(p)], lo, hi, off) for p, lo, hi, off in s.ranges], s.replicated)
-            for s in engine.param_slots()]
+    return [(s.optimizer, s.master, [(first[id(p)], lo, hi, off) for p, lo, hi, off in s.ranges], s.replicated,
+             s.device) for s in engine.param_slots()]
 
 
 def _owned(engine):
-    """{name: [(lo, hi, {"param": fp32 values, state key: values})]} of what this rank writes."""
+    """{name: [(lo, hi, {"param": fp32 values, state key: values})]} of what this rank writes; with
+    a delayed update pending, also "device": the compute-dtype values the model has, one update behind."""
     pieces = {}
-    for optimizer, master, ranges, replicated in _slots(engine):
+    pending = engine.update_pending
+    for optimizer, master, ranges, replicated, device in _slots(engine):
         if replicated and engine.rank != 0:
             continue                            # replicas: rank 0's copy is the checkpoint
         state = optimizer.state.get(master, {})
@@ -84,6 +90,8 @@ def _owned(engine):
             entry = {"param": m[off:off + n].clone()}   # fp32 master (fp64 for fp64 models)
             for k, v in flat_state.items():
                 entry[k] = v.clone() if v.dim() == 0 else v[off:off + n].clone()
+            if pending:
+                entry[DEVICE] = device.detach().reshape(-1)[off:off + n].clone()
             pieces.setdefault(name, []).append((lo, hi, entry))
     return pieces
 
@@ -100,11 +108,15 @@ def _replicated(engine):
 def _atomic_write(path, data):
     """Write ``data`` to ``path`` so that a reader sees either the old file or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp.parent, tmp.name)           # no partial file left behind
+        raise
     try:                                        # make the rename itself durable (POSIX)
         fd = os.open(path.parent, os.O_RDONLY)
     except OSError:
@@ -133,27 +145,46 @@ def _persistent_buffers(module):
 def save(engine, path, *, client_state=None):
     """Save ``engine``'s training state into the folder ``path``. A collective: every rank calls it
     between steps (after ``step()``). ``client_state``: anything picklable to keep with it (data
-    loader position, scheduler...), returned by :func:`load`. Returns the metadata dict."""
+    loader position, scheduler...), returned by :func:`load`. Returns the metadata dict.
+
+    A save that cannot complete (``path`` is a file, a read-only folder, not enough space, a write
+    that fails half way) raises the same :class:`CheckpointError` on EVERY rank, naming each failing
+    rank and its cause; the ranks stay alive with their training state untouched (saving never
+    changes it), the folder's previous checkpoint stays valid, and the failed save's files are
+    removed. The destination is checked on every rank before anything is written (it exists or can
+    be created, is a folder, is writable, has room for this rank's file) and the ranks agree on the
+    outcome with one small collective."""
     from zerolab import __version__
     engine.quiesce()
     group, rank, n = engine.group, engine.rank, engine.world_size
     folder = pathlib.Path(path)
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    # one fresh name per save, agreed by all ranks: the previous checkpoint's files stay untouched
-    tag = _broadcast_object(f"step{engine.steps:08d}-{secrets.token_hex(4)}" if rank == 0 else None, group)
-    dist.barrier(group=group)                   # the folder exists for everyone
-    payload = {"pieces": _owned(engine), "rank": rank}
+    payload = {"pieces": _owned(engine), "rank": rank}  # in memory first: its size is known
     if rank == 0:
         payload.update(_replicated(engine), client_state=client_state)
     buf = io.BytesIO()
     torch.save(payload, buf)
     data = buf.getvalue()
+    made = None
+    if rank == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            made = f"creating {folder}: {_why(exc)}"
+    # one fresh name per save, agreed by all ranks: the previous checkpoint's files stay untouched
+    tag = _broadcast_object(f"step{engine.steps:08d}-{secrets.token_hex(4)}" if rank == 0 else None, group)
     name = f"{tag}-rank{rank:05d}-of-{n:05d}.pt"
-    _atomic_write(folder / name, data)
-    info = {"name": name, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    _agree(made or _check_destination(folder, len(data), name), folder, group, n, "nothing was written")
+    try:
+        _atomic_write(folder / name, data)
+        info = {"name": name, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    except OSError as exc:
+        info = {"error": f"writing {name}: {_why(exc)}"}
     files = [None] * n
     dist.all_gather_object(files, info, group=group)
+    failed = [f"rank {r}: {f['error']}" for r, f in enumerate(files) if "error" in f]
+    if failed:
+        _remove(folder, name)
+        raise CheckpointError(_failure(folder, failed, "its partial files were removed"))
     first, aliases = _names(engine.module)
     meta = {
         "format": FORMAT, "version": VERSION, "zerolab": __version__, "torch": torch.__version__,
@@ -166,15 +197,81 @@ def save(engine, path, *, client_state=None):
                    for p in unique_trainable(engine.module.parameters())},
         "aliases": {a: c for a, c in aliases.items() if a != c},
         "files": files,
+        "pending_update": bool(engine.update_pending),
     }
+    meta["checksum"] = _meta_checksum(meta)
+    committed = None
     if rank == 0:
-        _atomic_write(folder / METADATA, json.dumps(meta, indent=1).encode())   # the commit point
+        try:
+            _atomic_write(folder / METADATA, json.dumps(meta, indent=1).encode())   # the commit point
+        except OSError as exc:
+            committed = f"rank 0: writing {METADATA}: {_why(exc)}"
+    committed = _broadcast_object(committed, group)
+    if committed is not None:
+        _remove(folder, name)
+        raise CheckpointError(_failure(folder, [committed], "its files were removed"))
+    if rank == 0:
         keep = {f["name"] for f in files}
         for old in folder.iterdir():            # files of earlier (or interrupted) saves
             if _SHARD_FILE.match(old.name) and old.name not in keep:
                 old.unlink(missing_ok=True)
     dist.barrier(group=group)                   # returns when the checkpoint is complete
     return meta
+
+
+def _why(exc):
+    """'OSError: No space left on device' (an OSError's text without its [Errno N])."""
+    return f"{type(exc).__name__}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}"
+
+
+def _check_destination(folder, need, name):
+    """Why this rank cannot write ``need`` bytes as ``name`` into ``folder``, or None."""
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} exists and is not a folder"
+    if not folder.is_dir():
+        return f"{folder} does not exist on this rank (rank 0 created it: not a shared file system?)"
+    probe = folder / f".{name}.probe"
+    try:
+        with open(probe, "wb") as f:                # the real test of a writable folder (root
+            f.write(b"0")                           # ignores permission bits; a read-only mount
+        probe.unlink()                              # does not)
+    except OSError as exc:
+        _remove(folder, probe.name)
+        return f"{folder} is not writable ({_why(exc)})"
+    free = shutil.disk_usage(folder).free
+    if free < need + (1 << 20):                     # this rank's file + room for the metadata
+        return f"not enough space in {folder}: {free} bytes free, {need + (1 << 20)} needed"
+    return None
+
+
+def _agree(cause, folder, group, n, outcome):
+    """Every rank learns every rank's ``cause`` (None: fine); all raise the same CheckpointError if any."""
+    causes = [None] * n
+    dist.all_gather_object(causes, cause, group=group)
+    failed = [f"rank {r}: {c}" for r, c in enumerate(causes) if c is not None]
+    if failed:
+        raise CheckpointError(_failure(folder, failed, outcome))
+
+
+def _failure(folder, failed, outcome):
+    return (f"could not save the checkpoint into {folder} ({'; '.join(failed)}): {outcome}; the folder's "
+            f"previous checkpoint (if any) is still valid and the training state is intact: fix the "
+            f"destination (or pick another folder) and save again")
+
+
+def _remove(folder, name):
+    """Remove this rank's file of a failed save (and its temporary file)."""
+    for file in (folder / name, folder / (name + ".tmp")):
+        try:
+            file.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _meta_checksum(meta):
+    """SHA-256 of the metadata without its "checksum" key, in a canonical JSON form."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -191,10 +288,13 @@ def read_metadata(path):
     if meta.get("format") != FORMAT or meta.get("version") != VERSION:
         raise CheckpointError(f"{file}: format {meta.get('format')!r} version {meta.get('version')!r}, "
                               f"expected {FORMAT!r} version {VERSION}")
-    missing = [k for k in ("stage", "world_size", "steps", "optimizer", "params", "aliases", "files")
+    missing = [k for k in ("stage", "world_size", "steps", "optimizer", "params", "aliases", "files", "checksum")
                if k not in meta]
     if missing:
         raise CheckpointError(f"{file} lacks {missing}: not written by zerolab.checkpoint.save")
+    if meta["checksum"] != _meta_checksum(meta):
+        raise CheckpointError(f"{file} does not match its own SHA-256 checksum: it was edited by hand or "
+                              f"damaged (a changed step count or file list would load the wrong state)")
     return meta
 
 
@@ -269,11 +369,16 @@ def load(engine, path):
     meta, full, scalars, rank0 = _assemble(path)
     _check_compatible(engine, meta, rank0, path)      # before anything is written: all or nothing
     engine.quiesce()
+    slots = _slots(engine)
+    # saved during a delayed update: resume it (the model's values one update behind the masters)
+    # when this engine runs one too; otherwise the pending update is applied (masters everywhere)
+    resume_pending = bool(meta.get("pending_update")) and bool(getattr(engine, "delayed_update", False)) \
+        and all(device is not None for *_, device in slots)
     with torch.no_grad():
         states = {}                                                  # optimizer -> {index: state}
-        for optimizer, master, ranges, _ in _slots(engine):
+        for optimizer, master, ranges, _, device in slots:
             m = master.view(-1)
-            keysets = [set(full[n]) - {"param"} for n, *_ in ranges]
+            keysets = [set(full[n]) - {"param", DEVICE} for n, *_ in ranges]
             if any(k != keysets[0] for k in keysets):
                 raise CheckpointError(f"{path}: parameters sharing one optimizer tensor have different "
                                       f"optimizer state: {[n for n, *_ in ranges][:5]}")
@@ -281,6 +386,8 @@ def load(engine, path):
             state = {k: torch.zeros_like(m) for k in keys}          # padding elements stay zero
             for name, lo, hi, off in ranges:
                 m[off:off + hi - lo].copy_(full[name]["param"][lo:hi])
+                if resume_pending:
+                    device.view(-1)[off:off + hi - lo].copy_(full[name][DEVICE][lo:hi])
                 for k in keys:
                     state[k][off:off + hi - lo].copy_(full[name][k][lo:hi])
             index = [id(q) for g in optimizer.param_groups for q in g["params"]].index(id(master))
@@ -293,7 +400,7 @@ def load(engine, path):
             sd = optimizer.state_dict()
             sd["state"] = state              # torch casts it to each master's dtype and device
             optimizer.load_state_dict(sd)
-        engine.reload_from_masters()                                  # compute params = masters
+        engine.reload_from_masters(pending=resume_pending)            # compute params = masters
         named = dict(engine.module.named_parameters())
         for name, value in rank0["frozen"].items():
             named[name].copy_(value)

@@ -42,6 +42,14 @@ for every collective in the region: blocking calls from start to return, asynchr
 launch to completion, plus a "wait" span for every ``wait()`` on their handle. Compute code marks its
 own spans with :func:`span` (a no-op when no timeline is active). So the algorithms carry no
 instrumentation beyond naming their compute; the engines pass their timeline here.
+
+Checked collectives: with the environment variable ``ZEROLAB_CHECK_COLLECTIVES=1`` (the tests set
+it), every collective here first compares what each rank is about to do (op, dtype, shape, reduce
+op, source rank) with one small all-reduce, and raises :class:`CollectiveMismatch` on EVERY rank,
+naming the ranks and what each called, instead of running it. Gloo does not check: an all_reduce
+of a (2, 3) tensor against a (3, 2) one, or a broadcast of 3 elements into 4, "works" and leaves
+wrong numbers. Like torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, it costs one extra collective per
+call: off by default. The check's own bytes are not in ``sent_bytes`` nor in ``measured_bytes``.
 """
 import contextlib
 import os
@@ -49,6 +57,7 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +93,7 @@ class CommLog:
     _io_start: int = None
     _sockets_start: dict = None
     _t0: float = None
+    _excluded: int = 0    # bytes the collective checks wrote (not part of the algorithm's traffic)
 
     @property
     def sent_bytes(self):
@@ -250,7 +260,7 @@ class _LogRegion:
         _ACTIVE.remove(e)
         e.seconds = time.perf_counter() - e._t0
         end = _written_bytes() if e._io_start is not None else None
-        e.measured_bytes = None if end is None else end - e._io_start
+        e.measured_bytes = None if end is None else end - e._io_start - e._excluded
         if e._sockets_start is not None:
             now = socket_bytes() or {}
             e.socket_sent = {k: b - e._sockets_start.get(k, 0) for k, b in now.items()
@@ -277,6 +287,7 @@ def log(group=None, *, timeline=None, sockets=False):
 def composite(op, tensor, group=None, *, impl, tag=None):
     """Record the calls inside as ONE collective ``op`` on ``tensor`` (the full buffer S), with the
     ring's bytes, e.g. lesson 00's ring all-reduce built from 2(N-1) sends. Blocking only."""
+    _check(op, tensor, group)
     depth = getattr(_ACTIVE._composite, "depth", 0)
     _ACTIVE._composite.depth = depth + 1
     t0 = time.perf_counter()
@@ -402,9 +413,81 @@ def _backend(group):
     return dist.get_backend(group)
 
 
+# -- checked collectives (ZEROLAB_CHECK_COLLECTIVES=1) -----------------------------------------------
+CHECK_ENV = "ZEROLAB_CHECK_COLLECTIVES"
+_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_DIMS = 6
+_CHECK_COST = {}            # (group, world size) -> socket bytes of one check (its smallest delta)
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called a collective with different ops, dtypes, shapes, reduce ops or source ranks
+    (found by the check that ``ZEROLAB_CHECK_COLLECTIVES=1`` turns on)."""
+
+
+def checking():
+    """True when every collective is checked across ranks first (``ZEROLAB_CHECK_COLLECTIVES=1``)."""
+    return os.environ.get(CHECK_ENV, "") not in ("", "0")
+
+
+def _describe(op, tensor, other=None, reduce_op=None, src=None):
+    """(a fixed-length int vector, the same in words) of what this rank is about to run."""
+    shape = tuple(tensor.shape)
+    code = [_OPS.index(op), _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99, len(shape)]
+    code += list(shape[:_MAX_DIMS]) + [-1] * (_MAX_DIMS - min(len(shape), _MAX_DIMS))
+    code += [tensor.numel(), -1 if other is None else other.numel(),
+             -1 if reduce_op is None else zlib.crc32(str(reduce_op).encode()), -1 if src is None else src]
+    words = f"{op} of {tensor.dtype} {shape}"
+    if other is not None:
+        words += f" into/from {other.numel()} elements"
+    if reduce_op is not None:
+        words += f", op {reduce_op}"
+    if src is not None:
+        words += f", src {src}"
+    return code, words
+
+
+def _check(op, tensor, group, other=None, reduce_op=None, src=None):
+    """With checks on: one all-reduce (MAX of the description and of its negation) says whether
+    every rank is about to run the same collective; if not, every rank gathers the descriptions
+    and raises the same CollectiveMismatch. Not logged; its socket writes are excluded from
+    ``measured_bytes``."""
+    if not checking() or getattr(_ACTIVE._composite, "depth", 0):
+        return
+    logs = _ACTIVE.logs()
+    w0 = _written_bytes() if logs else None
+    code, words = _describe(op, tensor, other, reduce_op, src)
+    both = torch.tensor(code + [-c for c in code], dtype=torch.int64, device=tensor.device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = len(code)
+    same = both[:n].tolist() == code and [-c for c in both[n:].tolist()] == code
+    if not same:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, words, group=group)
+    if w0 is not None:
+        # The check's own socket bytes are the same every time (a fixed-size all-reduce), but the
+        # delta also holds the bytes of any asynchronous collective running meanwhile (a prefetch, a
+        # bucket's reduce-scatter): exclude the smallest delta seen for this group, not this one.
+        key = (id(group), dist.get_world_size(group))
+        cost = _CHECK_COST[key] = min(_written_bytes() - w0, _CHECK_COST.get(key, float("inf")))
+        for entry in logs:
+            entry._excluded += cost
+    if not same:
+        ranks = {}
+        for r, w in enumerate(everyone):
+            ranks.setdefault(w, []).append(r)
+        held = "; ".join(f"{w} on rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}"
+                         for w, rs in ranks.items())
+        raise CollectiveMismatch(f"the ranks called different collectives: {held}. Every rank must call "
+                                 f"the same collectives in the same order, with the same shapes and dtypes")
+
+
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, *, tag=None):
     """In-place all-reduce (sum by default) of ``tensor`` across the group."""
     n = dist.get_world_size(group)
+    _check("all_reduce", tensor, group, reduce_op=op)
     work, t0 = _call(lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
     s = ring_bytes("all_reduce", tensor.numel() * tensor.element_size(), n)
     return _record("all_reduce", tensor, group, s, s, work, t0=t0, tag=tag)
@@ -419,6 +502,7 @@ def reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=None, async_op=Fal
         raise ValueError(f"reduce_scatter: input has {input.numel()} elements, expected world_size "
                          f"({n}) x output ({output.numel()}) = {n * output.numel()}")
     s = input.numel() * input.element_size()
+    _check("reduce_scatter", input, group, other=output, reduce_op=op)
     work, t0 = _call(lambda: _reduce_scatter_flat(output, input, op=op, group=group, async_op=async_op),
                      async_op)
     real_op = "all_reduce" if _backend(group) == "gloo" else "reduce_scatter"
@@ -432,6 +516,7 @@ def all_gather(output, input, group=None, async_op=False, *, tag=None):
     if output.numel() != n * input.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected world_size "
                          f"({n}) x input ({input.numel()}) = {n * input.numel()}")
+    _check("all_gather", input, group, other=output)
     work, t0 = _call(lambda: _all_gather_flat(output, input, group=group, async_op=async_op), async_op)
     s = ring_bytes("all_gather", output.numel() * output.element_size(), n)
     return _record("all_gather", output, group, s, s, work, t0=t0, tag=tag)
@@ -440,6 +525,7 @@ def all_gather(output, input, group=None, async_op=False, *, tag=None):
 def broadcast(tensor, src, group=None, async_op=False, *, tag=None):
     """Copy ``tensor`` from rank ``src`` to every rank."""
     n = dist.get_world_size(group)
+    _check("broadcast", tensor, group, src=src)
     work, t0 = _call(lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)
     s = tensor.numel() * tensor.element_size()
     rank = dist.get_rank(group)

@@ -44,6 +44,7 @@ import dataclasses
 import json
 import math
 
+from zerolab import activations
 from zerolab.memory import model_state_bytes
 
 PHASES = ("forward", "backward", "step")
@@ -93,17 +94,21 @@ PROFILES = {"V100": V100_32GB, "A100": A100_80GB, "H100": H100_80GB}
 
 
 def activation_bytes(*, layers, hidden, seq_len, micro_batch, heads, checkpointing=False):
-    """Activation memory of a GPT-style transformer, 16-bit (Korthikanti et al. 2022, Eq. 2):
-    per layer s·b·h·(34 + 5·a·s/h) bytes (the 5as/h term is the attention scores and softmax,
-    quadratic in s). With full activation checkpointing only each layer's 2-byte input (2·s·b·h) is
-    kept, plus one layer's working set recomputed during backward. Embeddings and logits are left
-    out, as in the paper's per-layer count. (Lesson 10 measures activations; this closed form is
-    what the planner below uses.)"""
-    s, b, h, a = seq_len, micro_batch, hidden, heads
-    per_layer = s * b * h * (34 + 5 * a * s / h)
+    """Activation memory of a GPT-style transformer, 16-bit with dropout (Korthikanti et al. 2022,
+    Eq. 2): per layer s·b·h·(34 + 5·a·s/h) bytes (the 5as/h term is the attention scores, softmax and
+    dropout, quadratic in s). With full activation checkpointing (``checkpointing=True``) each layer
+    keeps only its 2-byte input (2·s·b·h), plus ONE layer's working set recomputed during backward.
+    Embeddings and logits are left out, as in the paper's per-layer count.
+
+    The per-layer model is :func:`zerolab.activations.activation_bytes_per_layer`, the closed form
+    that lesson 10 checks term by term against what TinyGPT's blocks save; the planner below uses it
+    through this function."""
+    def per_layer(recompute):
+        return activations.activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, dtype_bytes=2,
+                                                      recompute=recompute)
     if checkpointing:
-        return layers * 2 * s * b * h + per_layer
-    return layers * per_layer
+        return layers * per_layer("full") + per_layer(None)
+    return layers * per_layer(None)
 
 
 def ring_time(op, nbytes, world_size, hw):

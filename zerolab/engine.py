@@ -31,6 +31,7 @@ Checkpoints (:mod:`zerolab.checkpoint`) use only the public methods :meth:`Engin
 saves and loads without touching the checkpoint code.
 """
 import contextlib
+import hashlib
 import inspect
 import math
 import warnings
@@ -138,6 +139,13 @@ def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, redu
     """ValueError naming the first bad value of the options every stage shares."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}): "
+                         f"materialize the model first, the same way on every rank: model.to_empty(device='cpu'), "
+                         f"then torch.manual_seed(seed) and each module's reset_parameters() (or your init "
+                         f"function, or model.load_state_dict(state)). zerolab builds every stage, stage 3 "
+                         f"included, from a materialized model")
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
                          f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "
@@ -232,11 +240,14 @@ def traced(obj, after):
 class Slot:
     """One tensor an optimizer steps (``master``: the fp32 master, or the parameter itself) and the
     element ranges of parameters it holds: ``ranges`` = [(param, lo, hi, offset)], elements [lo, hi)
-    of ``param`` at ``offset`` in ``master``. ``replicated``: every rank holds the same (stage 0)."""
+    of ``param`` at ``offset`` in ``master``. ``replicated``: every rank holds the same (stage 0).
+    ``device``: the compute-dtype tensor (same layout as ``master``) the model reads, when it may lag
+    one update behind ``master`` (offload's delayed update: see :attr:`Engine.update_pending`)."""
     optimizer: torch.optim.Optimizer
     master: torch.Tensor
     ranges: list
     replicated: bool = False
+    device: torch.Tensor = None
 
 
 class OwnedGrads(NamedTuple):
@@ -248,7 +259,7 @@ class OwnedGrads(NamedTuple):
 
 
 class Engine:
-    """What every stage provides. Subclasses implement ``_backward``, ``_step``, ``zero_grad``,
+    """What every stage provides. Subclasses implement ``_backward``, ``_step``, ``_zero_grad``,
     ``no_sync``, ``state_tensors``, ``_full_params``, ``param_slots``, ``reload_from_masters`` and
     ``owned_grads``, and set ``self.optimizer`` (a torch optimizer over what this rank steps). Their
     ``_step`` multiplies the gradients by ``self.inv_scale`` where they become the master's dtype."""
@@ -268,13 +279,18 @@ class Engine:
                    lambda v: v in activations.MODES),
                "checkpoint_units": Option(
                    None, "None (TinyGPT's blocks, or their core_attention) or a list of submodules to "
-                   "checkpoint", lambda v: v is None or isinstance(v, (list, tuple)))}
+                   "checkpoint", lambda v: v is None or isinstance(v, (list, tuple))),
+               "broadcast_buffers": Option(
+                   True, "True (torch DDP's default: every forward starts from rank 0's floating-point "
+                   "buffers, such as BatchNorm's running statistics) or False (each rank keeps its own; "
+                   "a checkpoint still saves rank 0's)", is_flag)}
     host_kinds = ()               # kinds of state that live on the host (offload engines)
 
     def __init__(self, module, *, optimizer, opt_kwargs, param_dtype, bucket_bytes, reduce_impl=None,
                  group=None, loss_scale=None, reduce_dtype=None, activation_checkpointing=None,
-                 checkpoint_units=None):
+                 checkpoint_units=None, broadcast_buffers=True):
         self.module = module
+        self.broadcast_buffers = broadcast_buffers
         self.optimizer_class = optimizer
         self.opt_kwargs = dict(opt_kwargs)
         self.param_dtype = param_dtype
@@ -291,6 +307,8 @@ class Engine:
         self.scaler = make_scaler(loss_scale, group)    # None, or fp16's loss scale (mixed_precision)
         self.reduce_dtype = reduce_dtype                # None here: the stage fills in its compute dtype
         self.last_step_skipped = False
+        self._has_grads = False       # a backward() since the last zero_grad(): step() has work
+        self._warned_no_grads = False
         # Activation checkpointing (lesson 10): the modules whose forward is recomputed in backward.
         self.activation_checkpointing = activation_checkpointing
         self.checkpointed = activations.apply_checkpointing(module, activation_checkpointing, checkpoint_units)
@@ -333,10 +351,29 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._open_step_log()
+        if self.broadcast_buffers and self.world_size > 1:
+            self._sync_buffers()
         with activations.SavedTensors(self.module, per_module=False) as saved:   # keeps nothing; outer hooks run
             out = self.forward(*args, **kwargs)
         self._activations = saved.by_device()
         return out
+
+    def _sync_buffers(self):
+        """Floating buffers (BatchNorm's running mean and variance) are updated by each rank's own
+        forward on its own data, so they drift apart across ranks while a checkpoint saves rank 0's.
+        As torch DDP (``broadcast_buffers=True``, its default), every forward starts from rank 0's:
+        one broadcast per dtype before it. Averaging them instead would be another consistent rule,
+        but not DDP's, and not what a single process on rank 0's data computes. Integer buffers
+        (``num_batches_tracked``, counters) advance the same on every rank and are not sent."""
+        floating = [b for b in dict.fromkeys(self.module.buffers()) if b.is_floating_point() and b.numel()]
+        for dtype in dict.fromkeys(b.dtype for b in floating):
+            same = [b for b in floating if b.dtype == dtype]
+            flat = torch.cat([b.detach().reshape(-1) for b in same])
+            comm.broadcast(flat, src=0 if self.group is None else dist.get_global_rank(self.group, 0),
+                           group=self.group, tag="buffers")
+            with torch.no_grad():
+                for b, part in zip(same, flat.split([b.numel() for b in same])):
+                    b.copy_(part.view_as(b))
 
     def forward(self, *args, **kwargs):
         with comm.span("forward"):
@@ -347,12 +384,30 @@ class Engine:
         carries the scale, lifting fp16's small gradients above underflow)."""
         self._open_step_log()
         self._backward(loss if self.scaler is None else self.scaler.scale(loss))
+        self._has_grads = True
 
     def step(self):
         """One optimizer step on what this rank owns. With a loss scale: skipped on EVERY rank if any
         rank's gradients hold an inf or NaN (each rank checks its own shard, one all-reduce of a
-        flag), and the scale updated as torch.amp.GradScaler does (``self.scaler``)."""
+        flag), and the scale updated as torch.amp.GradScaler does (``self.scaler``).
+
+        With no ``backward()`` since ``zero_grad()`` (or since the engine was built) there is no
+        gradient at all, and the step is SKIPPED, with a warning the first time: nothing moves, the
+        optimizer state and ``steps`` stay. That is what torch's optimizers do, since they skip every
+        parameter whose ``.grad`` is None; stepping zero gradients instead would still move the
+        weights (AdamW's weight decay, momentum). Within a step that had a backward, a parameter that
+        got no gradient is stepped with a zero one, as in DeepSpeed (see :mod:`zerolab.zero1`).
+        ``step()`` twice without ``zero_grad()`` applies the kept gradients twice, as torch does."""
         self._open_step_log()
+        if not self._has_grads:
+            if not self._warned_no_grads:
+                self._warned_no_grads = True
+                warnings.warn("engine.step() with no backward() since zero_grad(): skipped, nothing to "
+                              "apply (torch's optimizers skip parameters without gradients)",
+                              UserWarning, stacklevel=2)
+            self.last_step_skipped = True
+            self._close_step_log()
+            return
         overflow = False
         if self.scaler is not None:
             grads = self.owned_grads()
@@ -389,6 +444,11 @@ class Engine:
         raise NotImplementedError
 
     def zero_grad(self):
+        """Drop the gradients (every stage: set to none or zeroed in place, see the stage)."""
+        self._zero_grad()
+        self._has_grads = False
+
+    def _zero_grad(self):
         raise NotImplementedError
 
     def owned_grads(self):
@@ -413,14 +473,24 @@ class Engine:
         """[Slot] of every tensor this rank's optimizer steps (for checkpoints)."""
         raise NotImplementedError
 
-    def reload_from_masters(self):
+    def reload_from_masters(self, *, pending=False):
         """The masters were changed from outside (a checkpoint load): make the compute parameters
-        equal to them on every rank. A collective."""
+        equal to them on every rank. A collective. ``pending=True`` (engines with a delayed update
+        only): the caller has written each slot's ``device`` tensor, one update behind its master;
+        publish those and leave the update pending, as right after a delayed ``step()``."""
         raise NotImplementedError
+
+    @property
+    def update_pending(self):
+        """True while an optimizer update has reached the masters but not yet the parameters the
+        model computes with (offload's delayed update, between step() and the next step())."""
+        return False
 
     def quiesce(self):
         """Finish everything still in flight (asynchronous collectives, a delayed host update) so that
-        parameters, masters and optimizer state can be read or written. A collective."""
+        parameters, masters and optimizer state can be read or written. A collective. It never
+        changes training: a pending delayed update stays pending (the masters are then one update
+        ahead of the parameters, see :attr:`update_pending`; a checkpoint saves both)."""
 
     def padding_bytes(self):
         """Bytes of zero padding included in state_tensors() (flat buffers rounded up to N)."""
@@ -482,6 +552,37 @@ def cast_floats(obj, dtype):
     return obj
 
 
+def _guard_torch_clipping():
+    """Make ``torch.nn.utils.clip_grad_norm_`` refuse the parameters of a ZeRO engine (stages 1-3).
+    Between backward and step each rank holds only part of the averaged gradient there: at stage 1
+    ``p.grad`` is this rank's LOCAL (unaveraged) gradient outside its shard, at stages 2-3 ``p.grad``
+    is None, so torch's norm differs per rank (stage 1) or is 0 (stages 2-3), and training silently
+    diverges from the clipped reference. ``engine.clip_grad_norm_`` is the sharded version (one
+    all-reduce of a scalar). Installed once, when the first ZeRO engine is built; other parameters
+    (a plain model, stage 0's, which hold the whole averaged gradient) go through unchanged."""
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+    original = nn_utils.clip_grad_norm_
+    if getattr(original, "_zerolab_guard", False):
+        return
+
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        params = [parameters] if torch.is_tensor(parameters) else list(parameters)
+        sharded = next((getattr(p, "_zerolab_sharded") for p in params if hasattr(p, "_zerolab_sharded")), None)
+        if sharded is not None:
+            raise RuntimeError(f"torch.nn.utils.clip_grad_norm_ on the parameters of a zerolab {sharded} engine "
+                               f"would clip with a wrong norm: each rank holds only its shard of the averaged "
+                               f"gradient (p.grad is a local gradient or None). Call engine.clip_grad_norm_("
+                               f"max_norm) between engine.backward() and engine.step() instead: the global "
+                               f"norm from every rank's shard, equal to torch's on one process")
+        return original(params, *args, **kwargs)
+
+    clip_grad_norm_._zerolab_guard = True
+    clip_grad_norm_.__wrapped__ = original
+    clip_grad_norm_.__doc__ = original.__doc__
+    nn_utils.clip_grad_norm_ = clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+
 class ShardedEngine(Engine):
     """What the ZeRO stages share: the compute dtype and its casts (trainable parameters are packed by
     the subclass; frozen ones and floating buffers are cast here), no_sync, and everything derived from
@@ -499,6 +600,9 @@ class ShardedEngine(Engine):
     def _prepare(self):
         """Returns the trainable parameters (each once) and casts everything else to the compute dtype."""
         self.trainable = unique_trainable(self.module.parameters())
+        for p in self.trainable:                  # torch's clip_grad_norm_ would see a wrong gradient
+            p._zerolab_sharded = self.label()
+        _guard_torch_clipping()
         trainable_ids = {id(p) for p in self.trainable}
         self.frozen = [p for p in dict.fromkeys(self.module.parameters()) if id(p) not in trainable_ids]
         dtypes = {p.dtype for p in self.trainable}
@@ -559,7 +663,9 @@ class ShardedEngine(Engine):
             slots.append(Slot(shard_optim.optimizer, shard_optim.master[i], ranges))
         return slots
 
-    def reload_from_masters(self):
+    def reload_from_masters(self, *, pending=False):
+        if pending:
+            raise ValueError(f"{type(self).__name__} has no delayed update: reload_from_masters(pending=True)")
         for shard_optim in dict.fromkeys(so for _, so, _ in self.shards()):
             shard_optim.write_back()               # fp32 master -> compute-dtype shard
         self._publish()
@@ -571,27 +677,70 @@ class ShardedEngine(Engine):
             comm.all_gather(flat.data, flat.shard(flat.data), group=self.group)
 
 
+def _digest(t):
+    """A digest of ``t``'s bytes (blake2b, 8 bytes in hex), or 'meta' for a tensor without data."""
+    if t.is_meta:
+        return "meta"
+    data = t.detach().reshape(-1).contiguous().cpu()
+    return hashlib.blake2b(data.view(torch.uint8).numpy(), digest_size=8).hexdigest() if data.numel() else "empty"
+
+
+def model_signature(model):
+    """What every rank's copy of the model must agree on, in order: each module's name and class,
+    each parameter's name, shape, dtype, requires_grad and a digest of its values (tied names
+    included, a tied pair digested once), each buffer's name, shape and dtype. [(what, name, value)]."""
+    sig, seen = [], {}
+    for name, m in model.named_modules():
+        sig.append(("module", name or "(model)", f"{type(m).__module__}.{type(m).__qualname__}"))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen[id(p)] = _digest(p)
+        sig.append(("parameter", name, f"shape {tuple(p.shape)}, {p.dtype}, requires_grad={p.requires_grad}"))
+        sig.append(("values of", name, seen[id(p)]))
+    for name, b in model.named_buffers():
+        sig.append(("buffer", name, f"shape {tuple(b.shape)}, {b.dtype}"))
+    return sig
+
+
+def _ranks(values):
+    """'rank 0' / 'ranks [0, 2]' for each distinct value: {value: text}."""
+    out = {}
+    for r, v in enumerate(values):
+        out.setdefault(v, []).append(r)
+    return {v: (f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs}") for v, rs in out.items()}
+
+
 def check_same_model(model, group=None):
-    """Raise ValueError on every rank if the model's parameter shapes or values differ between
-    ranks (a model built from different seeds would otherwise train silently wrong). The check is
-    a few numbers per parameter tensor, reduced with MAX and MIN on the rank's device (NCCL
-    reduces only GPU tensors)."""
-    with torch.no_grad():
-        sig = torch.tensor([float(len(list(model.parameters())))]
-                           + [float(sum(p.numel() for p in model.parameters()))]
-                           + [float(p.double().sum()) for p in model.parameters()], dtype=torch.float64,
-                           device=rank_device())
-    n = torch.tensor([sig.numel()], dtype=torch.float64, device=rank_device())
-    hi, lo = n.clone(), n.clone()
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-    if hi.item() != lo.item():
-        raise ValueError(f"the model differs across ranks: rank {dist.get_rank(group)} has "
-                         f"{int(n.item()) - 2} parameter tensors, others have a different count")
-    mx, mn = sig.clone(), sig.clone()
-    dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
-    dist.all_reduce(mn, op=dist.ReduceOp.MIN, group=group)
-    if not torch.equal(mx, mn):
-        names = [n for (n, _), a, b in zip(model.named_parameters(), mx[2:], mn[2:]) if a != b]
-        raise ValueError(f"the model differs across ranks (different shapes or initial values; "
-                         f"build it from the same seed on every rank): {names[:5] or 'sizes'}")
+    """Raise ValueError on every rank if the model differs between ranks: module names and classes,
+    parameter names, shapes, dtypes and values (a digest of their bytes), buffer names, shapes and
+    dtypes (:func:`model_signature`). A model built from different seeds, transposed, in another
+    dtype or with other modules would otherwise train silently wrong, or abort the backend. The
+    message names the first difference and which ranks hold what. Cost: one all-reduce of two
+    int64 (a hash of the whole signature); only when they differ, an all_gather_object of the
+    signatures, to say where. Parameters on the meta device are compared without values."""
+    sig = model_signature(model)
+    h = int.from_bytes(hashlib.blake2b(repr(sig).encode(), digest_size=7).digest(), "big")
+    both = torch.tensor([h, -h], dtype=torch.int64, device=rank_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if both[0].item() == h and -both[1].item() == h:
+        return                                          # max == min == h on every rank
+    n = dist.get_world_size(group)
+    sigs = [None] * n
+    dist.all_gather_object(sigs, sig, group=group)
+    differing_values = [name for i, (what, name, _) in enumerate(sigs[0])
+                        if what == "values of" and any(i >= len(s) or s[i] != sigs[0][i] for s in sigs)]
+    for i in range(max(map(len, sigs))):
+        entries = [s[i] if i < len(s) else ("end", "", "no more entries") for s in sigs]
+        if len(set(entries)) == 1:
+            continue
+        held = _ranks(entries)
+        if len({e[:2] for e in entries}) == 1:          # same entry, different value
+            what, name, _ = entries[0]
+            where = "; ".join(f"{e[2]} on {held[e]}" for e in dict.fromkeys(entries))
+            first = f"{what} {name!r}: {where}"
+        else:
+            first = "; ".join(f"{e[0]} {e[1]!r} ({e[2]}) on {held[e]}" for e in dict.fromkeys(entries))
+        more = f"; parameters whose values differ: {differing_values[:5]}" if differing_values else ""
+        raise ValueError(f"the model differs across ranks, first at {first}{more}. Build it the same way "
+                         f"on every rank (same code, same seed, same dtype), or load the same weights")
+    raise ValueError("the model differs across ranks (hash of its signature), but no entry differs")

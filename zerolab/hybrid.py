@@ -194,8 +194,8 @@ class HybridEngine(Zero3Engine):
         super()._step()
         self._stale_secondaries()
 
-    def reload_from_masters(self):
-        super().reload_from_masters()
+    def reload_from_masters(self, *, pending=False):
+        super().reload_from_masters(pending=pending)
         self._stale_secondaries()
 
     # -- what a rank holds ------------------------------------------------------------------------

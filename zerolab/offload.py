@@ -215,6 +215,12 @@ class HostOptimizer(ShardOptimizer):
         """True if a delayed update has run whose result the device does not have yet."""
         return self._unsent
 
+    def mark_pending(self):
+        """The device shard(s) were set one update behind the master (a checkpoint saved during a
+        delayed update was loaded): the master goes up at the next step(), as after a delayed step."""
+        self.wait()
+        self._unsent = True
+
     @torch.no_grad()
     def write_back(self):
         """Cast the fp32 master into the compute dtype and copy it into the device shard(s). On a GPU
@@ -302,19 +308,38 @@ class _Offload:
 
     def quiesce(self):
         super().quiesce()
-        self.flush()
         for h in self.host_optimizers():
-            h.wait()                                               # the master is the newest state
+            h.wait()                  # the master is the newest state; a delayed update stays pending
+                                      # (flushing it here made a checkpoint save change the run)
+
+    @property
+    def update_pending(self):
+        return any(h.pending() for h in self.host_optimizers())
+
+    def param_slots(self):
+        slots = super().param_slots()
+        for slot, (_, so, i) in zip(slots, self.shards()):
+            slot.device = so.shards[i]             # the device shard the model's parameters come from
+        return slots
+
+    def reload_from_masters(self, *, pending=False):
+        if not pending:
+            return super().reload_from_masters()
+        if not self.delayed_update:
+            raise ValueError("reload_from_masters(pending=True) needs delayed_update = True")
+        for h in self.host_optimizers():
+            h.mark_pending()                       # the masters go up at the next step()
+        self._publish()                            # the device shards the caller wrote
 
     def full_state_dict(self):
         for h in self.host_optimizers():
             h.wait()                      # the master is the newest state (a delayed update stays pending)
         return super().full_state_dict()
 
-    def zero_grad(self):
+    def _zero_grad(self):
         for h in self.host_optimizers():
             h.zero_grad()
-        super().zero_grad()
+        super()._zero_grad()
 
     def state_tensors(self):
         host = [h.state_tensors() for h in self.host_optimizers()]

@@ -5,10 +5,12 @@ whose storage exists only while the unit is gathered; this rank keeps only its 1
 FSDP2 calls a unit what ``fully_shard`` is applied to; DeepSpeed gathers per submodule, with
 ``stage3_param_persistence_threshold`` keeping small ones whole (``persist_numel`` here).
 :func:`assign_params` cuts a model into units of separate parameters instead, for
-:func:`zerolab.fully_shard` (FSDP2's per-parameter layout).
+:func:`zerolab.fully_shard` (FSDP2's per-parameter layout). :class:`ForeignUseCheck` enforces the
+rule a unit lives by: its parameters exist only while its own forward (or backward) runs.
 """
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from zerolab.flat import FlatParams
 
@@ -128,3 +130,43 @@ def assign_params(model, units):
         else:
             owners[min(holding, key=lambda m: len(within[id(m)]))].append((p, uses))
     return {m: ps for m, ps in owners.items() if ps}, replicated, frozen
+
+
+# Reading a tensor's metadata is harmless even while its storage is freed.
+_METADATA_OPS = {"__get__", "size", "dim", "numel", "__len__", "stride", "is_floating_point", "element_size",
+                 "data_ptr", "untyped_storage", "__hash__", "__eq__", "__repr__", "__format__"}
+
+
+class ForeignUseCheck(torch.overrides.TorchFunctionMode):
+    """During a stage-3 engine's FIRST forward (a weight tie is in the model's code, so one forward shows
+    it; later forwards pay nothing): a torch operation on a parameter of a sharded unit whose own
+    forward is not running raises, naming the unit and the fixes. Such a use (``F.linear(h,
+    self.emb.weight)`` in the model's forward with ``emb`` a unit of its own) reads freed storage:
+    torch's "setStorage ... out of bounds" error, wrong numbers, or a crash."""
+
+    def __init__(self, where, running, module):
+        """``where``: id(parameter) -> its Unit; ``running``: the units whose forward runs now (a
+        list the engine keeps up to date); ``module``: the model, for the parameters' names."""
+        super().__init__()
+        self.where, self.running = where, running
+        self.names = {id(p): n for n, p in module.named_parameters()}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA_OPS:
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.nn.Parameter):
+                    u = self.where.get(id(t))
+                    if u is not None and not u.resident and u not in self.running:
+                        self._refuse(t, u)
+        return func(*args, **kwargs)
+
+    def _refuse(self, p, u):
+        where = f"unit {self.running[-1].name!r}" if self.running else "the model's own forward"
+        raise RuntimeError(
+            f"ZeRO-3: parameter {self.names.get(id(p), '?')!r} of unit {u.name!r} is used outside that unit's "
+            f"forward (in {where}): stage 3 gathers a unit's parameters only while its own forward runs, so "
+            f"this reads freed memory. Fixes: tie the weights as modules before initialize (e.g. "
+            f"model.head.weight = model.{u.name}.weight: a weight shared by two default units goes into the "
+            f"root unit, always gathered), or use the weight only through {u.name}'s own forward, or choose "
+            f"units that keep {u.name!r} with its user (initialize(..., units=[...]), or a larger persist_numel)")

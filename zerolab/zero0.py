@@ -66,7 +66,7 @@ class DataParallelEngine(Engine):
                     m.grad = None
                 self.reload_from_masters()
 
-    def zero_grad(self):
+    def _zero_grad(self):
         self.ddp.zero_grad()
 
     def no_sync(self):
@@ -90,7 +90,9 @@ class DataParallelEngine(Engine):
                 for p, m in zip(self.trainable, self.masters or self.trainable)]
 
     @torch.no_grad()
-    def reload_from_masters(self):
+    def reload_from_masters(self, *, pending=False):
+        if pending:
+            raise ValueError("stage 0 has no delayed update: reload_from_masters(pending=True)")
         if self.masters is not None:
             for m, p in zip(self.masters, self.trainable):
                 p.copy_(m)                  # round the fp32 master down to the compute dtype

@@ -202,7 +202,7 @@ class Zero1Engine(ShardedEngine):
     def owned_grads(self):
         return OwnedGrads(self.optimizer.grad_shards(), [])
 
-    def zero_grad(self):
+    def _zero_grad(self):
         self.optimizer.zero_grad()
 
     def shards(self):

@@ -196,7 +196,7 @@ class Zero2Engine(ShardedEngine):
     def owned_grads(self):
         return OwnedGrads(list(self.grad_shards), [])      # (the host's, under offload)
 
-    def zero_grad(self):
+    def _zero_grad(self):
         if self.grad_shard is not None:
             self.grad_shard.zero_()
         for p in self.trainable:

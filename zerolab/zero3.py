@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from zerolab import comm, engine
 from zerolab.engine import Option, OwnedGrads, ShardedEngine, is_count, is_flag
 from zerolab.shard_optim import master_dtype
-from zerolab.units import FREE, GATHERING, READY, build_units
+from zerolab.units import FREE, GATHERING, READY, ForeignUseCheck, build_units
 
 PRIMITIVES = ("gather", "free", "reduce_scatter_grads", "register_pre_backward")
 
@@ -129,6 +129,7 @@ class Zero3Engine(ShardedEngine):
         self._in_forward, self._in_backward, self._inflight, self._fwd, self._bwd = False, False, [], [], []
         self.phase = "forward"        # what the next gathers serve: "forward", or "backward" once forward ran
         self._predicted = [u.index for u in self.units if not u.resident]   # forward order guess
+        self._running, self._uses_checked = [], False    # units whose forward runs; first forward checked
 
     @property
     def ops(self):
@@ -190,9 +191,14 @@ class Zero3Engine(ShardedEngine):
                 self._gather(u)                  # root (and small units): once per step
         self._prefetch(self._predicted, -1)
         self._in_forward = True
+        check = (contextlib.nullcontext() if self._uses_checked else
+                 ForeignUseCheck(self._where, self._running, self.module))
+        self._running.clear()
         try:
-            out = self.module(*engine.cast_floats(args, self.compute_dtype),
-                              **engine.cast_floats(kwargs, self.compute_dtype))
+            with check:
+                out = self.module(*engine.cast_floats(args, self.compute_dtype),
+                                  **engine.cast_floats(kwargs, self.compute_dtype))
+            self._uses_checked = True
         finally:
             self._in_forward, self.phase = False, "backward"   # every later gather serves backward
             self._predicted = self._fwd or self._predicted
@@ -213,6 +219,7 @@ class Zero3Engine(ShardedEngine):
                     self._gather(u)              # checkpoint that spans units: gathered now, kept until its
                 return                           # own backward is done. Else the guard on the model raises
             self._fwd.append(u.index)
+            self._running.append(u)
             self._gather(u)                      # all-gather right before use (or wait for the prefetch)
             self._prefetch(self._predicted, len(self._fwd) - 1)
             u.t_fwd = comm.clock()
@@ -223,6 +230,8 @@ class Zero3Engine(ShardedEngine):
             if not self._in_forward:
                 return
             comm.end_span(f"forward {u.name}", "compute", u.t_fwd)
+            if u in self._running:
+                self._running.remove(u)
             self._free(u)                        # free right after use
             if torch.is_grad_enabled():
                 self.ops.register_pre_backward(output, lambda: self._pre_backward(u))
@@ -332,7 +341,7 @@ class Zero3Engine(ShardedEngine):
         for u in self.units:
             u.stale = u.state != FREE            # a unit kept gathered is re-gathered at its next use
 
-    def zero_grad(self):
+    def _zero_grad(self):
         self.grad_shards = [None] * len(self.units)
 
     def no_sync(self):

@@ -15,7 +15,8 @@ from zerolab.zero2 import make_buckets
 
 # The reference implementation of this exercise: a submission that uses it scores 0
 # (checked before and while the tests run, by zerolab.grade.references).
-REFERENCE_MODULES = ["zerolab.zero2", "zerolab.stages", "zerolab.initialize"]
+REFERENCE_MODULES = ["zerolab.zero2", "zerolab.stages", "zerolab.initialize",
+                     "zerolab.plots.zero2_layouts"]   # lesson 04's layouts: counts 04.2's pieces
 REFERENCE_ALLOWED = ["zerolab.zero2.make_buckets"]  # the buckets of the contract
 
 N = 3                      # padding is real: no bucket boundary falls on a multiple of 3 by design

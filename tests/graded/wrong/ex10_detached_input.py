@@ -1,5 +1,8 @@
 """A plausible wrong answer to exercise 10 (graded tests must reject it): the recomputation runs on
-a detached input, so the parameters get their gradients but nothing flows back to x."""
+a detached input, so the parameters get their gradients but nothing flows back to x.
+
+Caught by: test_gradients_equal_the_plain_block.
+"""
 import torch
 
 

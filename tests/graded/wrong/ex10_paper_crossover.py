@@ -1,6 +1,9 @@
 """A plausible wrong answer to exercise 10 (graded tests must reject it): a correct checkpoint, but
 the crossover taken from the paper's formula (16-bit values with dropout masks: 34 against 5·a·s/h)
-instead of measured on this float32 block without dropout."""
+instead of measured on this float32 block without dropout.
+
+Caught by: test_crossover_seq_len.
+"""
 import math
 
 import torch

@@ -1,5 +1,8 @@
 """A plausible wrong answer to exercise 10 (graded tests must reject it): backward recomputes the
-block once for the parameters' gradients and once more for the input's."""
+block once for the parameters' gradients and once more for the input's.
+
+Caught by: test_recomputes_once.
+"""
 import torch
 
 

@@ -1,5 +1,8 @@
 """A plausible wrong answer to exercise 10 (graded tests must reject it): the graph of the block is
-built in forward and kept for backward, so nothing is recomputed and nothing is saved either."""
+built in forward and kept for backward, so nothing is recomputed and nothing is saved either.
+
+Caught by: test_keeps_only_the_input.
+"""
 import torch
 
 

@@ -1,5 +1,8 @@
 """A plausible wrong answer to exercise 11: the norm of this rank's own pieces only (no all-reduce),
-as clip_grad_norm_ on one process would compute it. Must be rejected."""
+as clip_grad_norm_ on one process would compute it. Must be rejected.
+
+Caught by: test_clip_grad_norm_equals_torch.
+"""
 import torch
 import torch.distributed as dist
 

@@ -1,5 +1,8 @@
 """A plausible wrong answer to exercise 11: torch.chunk for the pieces. It pads nothing: the last
-pieces are shorter (or missing when rows < N). Must be rejected."""
+pieces are shorter (or missing when rows < N). Must be rejected.
+
+Caught by: test_shard_dim0_pads_and_gives_each_rank_its_rows.
+"""
 import torch
 import torch.distributed as dist
 

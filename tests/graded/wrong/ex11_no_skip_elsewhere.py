@@ -1,6 +1,9 @@
 """A plausible wrong answer to exercise 11: the overflow check looks only at this rank's shard, so an
 inf held by another rank does not stop this rank's step (the ranks' shards drift apart). Must be
-rejected."""
+rejected.
+
+Caught by: test_found_inf_same_decision_on_every_rank.
+"""
 import torch
 import torch.distributed as dist
 

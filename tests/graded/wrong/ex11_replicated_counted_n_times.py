@@ -1,5 +1,8 @@
 """A plausible wrong answer to exercise 11: the replicated gradients are added on every rank, so
-the all-reduce counts them N times. Must be rejected."""
+the all-reduce counts them N times. Must be rejected.
+
+Caught by: test_clip_grad_norm_equals_torch.
+"""
 import torch
 import torch.distributed as dist
 

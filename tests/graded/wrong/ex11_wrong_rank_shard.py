@@ -1,6 +1,9 @@
 """A plausible wrong answer to exercise 11: shard_dim0 cuts the piece of the rank this process runs
 as (dist.get_rank()), not of the ``rank`` it was asked for; right on the diagonal only. Must be
-rejected."""
+rejected.
+
+Caught by: test_shard_dim0_pads_and_gives_each_rank_its_rows.
+"""
 import torch
 import torch.distributed as dist
 
