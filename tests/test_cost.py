@@ -248,3 +248,36 @@ def test_gpt_shape_and_assumptions():
     assert 12 * shape["layers"] * shape["hidden"] ** 2 == pytest.approx(175e9, rel=0.02)
     whats = [a[0] for a in cost.PLANNER_ASSUMPTIONS]
     assert {"activations", "compute", "communication", "choice"} <= set(whats)
+
+
+# -- two links (lesson 12) ---------------------------------------------------------------------------
+def test_hybrid_link_bytes_by_hand():
+    psi, m, p = 1e9, 4, 8                                    # 32 ranks, bf16 words
+    n = m * p
+    z3 = cost.hybrid_link_bytes(psi, m, p, "zero3")
+    assert z3 == {"intra": 0.0, "inter": pytest.approx(3 * 2 * psi * (n - 1) / n)}     # ZeRO's 3Ψ
+    hsdp = cost.hybrid_link_bytes(psi, m, p, "hsdp")
+    assert hsdp["intra"] == pytest.approx(3 * 2 * psi * (p - 1) / p)
+    assert hsdp["inter"] == pytest.approx(2 * (m - 1) / m * 2 * psi / p)              # shard all-reduce
+    hpz = cost.hybrid_link_bytes(psi, m, p, "hpz")
+    assert hpz["inter"] == pytest.approx(2 / 3 * z3["inter"])                          # 3M -> 2M
+    zpp = cost.hybrid_link_bytes(psi, m, p, "zero++", block=2048)
+    int8, int4 = psi * (1 + 4 / 2048), psi * (0.5 + 4 / 2048)
+    assert zpp["inter"] == pytest.approx(int8 * (n - 1) / n + int4 / p * (m - 1) / m)
+    assert zpp["intra"] == pytest.approx(2 * psi * (p - 1) / p + int4 * (p - 1) / p)
+
+
+def test_hybrid_state_bytes_and_step_time():
+    psi, m, p = 1e9, 4, 8
+    assert cost.hybrid_state_bytes(psi, m, p, "zero3") == 16 * psi / 32
+    assert cost.hybrid_state_bytes(psi, m, p, "hsdp") == 16 * psi / 8
+    assert cost.hybrid_state_bytes(psi, m, p, "hpz") == 16 * psi / 32 + 2 * psi / 8
+    # a call on its own group and link: (op, bytes, group size, Hardware)
+    slow = cost.dataclasses.replace(HW, link_bandwidth=HW.link_bandwidth / 10)
+    assert cost.comm_time([("all_gather", 1e9, 2, slow)], 4, HW) == pytest.approx(cost.ring_time("all_gather", 1e9, 2, slow))
+    # few tokens per rank: communication exposed; ZeRO++ faster than flat ZeRO-3, HSDP faster still
+    t = {s: cost.hybrid_step_time(psi, m, p, s, tokens_per_rank=256, hw=cost.H100_80GB, links=cost.DGX_H100)["total"]
+         for s in cost.SCHEMES}
+    assert t["hsdp"] < t["zero++"] < t["hpz"] < t["zero3"], t
+    with pytest.raises(ValueError, match="scheme='zero4'"):
+        cost.hybrid_link_bytes(psi, m, p, "zero4")

@@ -123,9 +123,11 @@ def test_initialize_dispatches_through_a_static_table():
     from zerolab.zero0 import DataParallelEngine
     from zerolab.zero1 import Zero1Engine
     from zerolab.zero2 import Zero2Engine
+    from zerolab.hybrid import HybridEngine
     from zerolab.zero3 import Zero3Engine
+    assert issubclass(HybridEngine, Zero3Engine)    # stage 3 with mesh/hpz/quantize options (lesson 12)
     assert ENGINES == {(0, None): DataParallelEngine, (1, None): Zero1Engine, (2, None): Zero2Engine,
-                       (3, None): Zero3Engine, (1, "optimizer"): Zero1OffloadEngine,
+                       (3, None): HybridEngine, (1, "optimizer"): Zero1OffloadEngine,
                        (2, "optimizer"): Zero2OffloadEngine, (3, "optimizer"): Zero3OffloadEngine}
     for (stage, offload), cls in ENGINES.items():
         assert cls.stage == stage and cls.offloaded == (offload is not None)

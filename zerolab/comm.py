@@ -18,6 +18,7 @@ all_reduce                 2(N-1)/N * S           same (ring: reduce-scatter the
 reduce_scatter (S = input) (N-1)/N * S            2(N-1)/N * S: emulated with an all_reduce
 all_gather (S = output)    (N-1)/N * S            same
 broadcast                  (N-1)/N * S, pipelined binomial tree: S per child (root: log2 N * S)
+all_to_all (S = input)     (N-1)/N * S            same (pairwise: S/N to every other rank)
 send / recv                S / 0                  same
 =========================  =====================  ===========================================
 
@@ -26,6 +27,15 @@ send / recv                S / 0                  same
 kernel's per-process write counter (``/proc/self/io``, wchar): every byte gloo hands to a TCP
 socket is counted there, so it is a measurement, not the formula again. It also counts anything
 else the process writes in the region (printing, files): keep logged regions free of I/O.
+
+Links: every record also names the group it ran on (``group``, its global ranks) and, under the
+algorithm, how many bytes went to each peer (``peers``, {global rank: bytes}: a ring sends
+everything to one neighbour, a binomial broadcast S to each child, an all-to-all S/N to
+every other rank; on NCCL the ring collectives' peers are unknown: {}). :meth:`CommLog.by_group` and :meth:`CommLog.by_peer` sum them; a
+:class:`zerolab.mesh.Mesh` turns peers into links (intra-node, inter-node). The measurement per
+peer: ``log(sockets=True)`` also reads the kernel's count of bytes sent on each of this process's
+TCP sockets (``tcp_info``: :func:`socket_bytes`) at both ends of the region; :func:`peer_map` (a
+collective) says which rank is at the other end of each socket.
 
 Timelines: ``log(timeline=tl)`` also records a span on ``tl`` (a :class:`zerolab.timeline.Timeline`)
 for every collective in the region: blocking calls from start to return, asynchronous ones from
@@ -43,6 +53,8 @@ call: off by default. The check's own bytes are not in ``sent_bytes`` nor in ``m
 """
 import contextlib
 import os
+import socket
+import struct
 import threading
 import time
 import zlib
@@ -66,6 +78,8 @@ class CommRecord:
     seconds: float = None  # wall time of a blocking call; None for async_op=True
     impl: str = "torch"   # "torch" (the backend's collective) or "ring" (zerolab.ring, send/recv)
     tag: str = None       # what the buffer is ("bucket 3", "blocks.0"): names the timeline span
+    group: tuple = None   # global ranks of the group it ran on, in group order
+    peers: dict = None    # {global rank: bytes this rank sent it} under the algorithm (sent_bytes in all)
 
 
 @dataclass
@@ -75,7 +89,9 @@ class CommLog:
     measured_bytes: int = None
     seconds: float = None
     timeline: object = None   # a zerolab.timeline.Timeline that also gets a span per call, or None
+    socket_sent: dict = None  # log(sockets=True): {(local port, peer port): bytes the kernel sent}
     _io_start: int = None
+    _sockets_start: dict = None
     _t0: float = None
     _excluded: int = 0    # bytes the collective checks wrote (not part of the algorithm's traffic)
 
@@ -93,6 +109,33 @@ class CommLog:
         for r in self.records:
             calls, tb, sb = out.get(r.op, (0, 0, 0.0))
             out[r.op] = (calls + 1, tb + r.tensor_bytes, sb + r.sent_bytes)
+        return out
+
+    def by_group(self):
+        """{group (its global ranks): sent_bytes} summed over the records."""
+        out = {}
+        for r in self.records:
+            out[r.group] = out.get(r.group, 0.0) + r.sent_bytes
+        return out
+
+    def by_peer(self):
+        """{global rank: bytes this rank sent it} under the algorithms, summed over the records."""
+        out = {}
+        for r in self.records:
+            for peer, b in (r.peers or {}).items():
+                out[peer] = out.get(peer, 0.0) + b
+        return out
+
+    def measured_by_peer(self, ports):
+        """{global rank: bytes} the kernel sent on this process's sockets to each peer during the
+        region (``log(sockets=True)``), ``ports`` from :func:`peer_map`; sockets it does not know
+        (opened after it was made, or not the group's) are summed under None."""
+        if self.socket_sent is None:
+            return None
+        out = {}
+        for key, b in self.socket_sent.items():
+            peer = ports.get(key)
+            out[peer] = out.get(peer, 0) + b
         return out
 
     def table(self):
@@ -135,6 +178,55 @@ class _Active:
 _ACTIVE = _Active()
 
 
+# struct tcp_info (linux/tcp.h): tcpi_bytes_sent (Linux >= 4.19) and tcpi_bytes_retrans, both u64
+_TCPI_BYTES_SENT, _TCPI_BYTES_RETRANS, _TCPI_SIZE = 200, 208, 232
+
+
+def socket_bytes():
+    """{(local port, peer port): payload bytes sent} of every TCP socket this process holds, from
+    the kernel's own per-socket counter (``getsockopt(TCP_INFO)``: bytes sent minus retransmitted),
+    or None where that is not available. gloo opens one socket per pair of ranks and per group, so
+    this counts what went to each peer on each group's connections. Reads a duplicate of each file
+    descriptor; gloo's sockets are never touched."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    out = {}
+    for fd in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.fromfd(int(fd), socket.AF_INET, socket.SOCK_STREAM)   # a dup, closed below
+        except (OSError, ValueError):
+            continue
+        try:
+            if s.type != socket.SOCK_STREAM or s.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCPI_SIZE)
+            if len(info) < _TCPI_BYTES_RETRANS + 8:
+                return None                                  # a kernel without tcpi_bytes_sent
+            sent, retrans = struct.unpack_from("<QQ", info, _TCPI_BYTES_SENT)
+            out[(s.getsockname()[1], s.getpeername()[1])] = sent - retrans
+        except OSError:
+            continue                                         # a listening or unconnected socket
+        finally:
+            s.close()
+    return out
+
+
+def peer_map(group=None):
+    """{(local port, peer port): global rank at the other end} for this process's TCP sockets whose
+    other end is a rank of ``group``: every rank lists its sockets and one all_gather_object
+    exchanges the lists (a collective; call it after the groups you measure exist: gloo connects
+    each group's ranks when the group is made)."""
+    mine = sorted(socket_bytes() or {})
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (dist.get_rank(), mine), group=group)
+    owner = {key: rank for rank, keys in everyone for key in keys}
+    return {(local, peer): owner[(peer, local)] for local, peer in mine if (peer, local) in owner}
+
+
 def _written_bytes():
     try:
         with open("/proc/self/io") as f:
@@ -150,13 +242,15 @@ class _LogRegion:
     """What :func:`log` returns: a context manager, also usable as open()/close() across calls (the
     engine opens its step log at the first forward and closes it in step())."""
 
-    def __init__(self, group, timeline):
+    def __init__(self, group, timeline, sockets=False):
         self.entry = CommLog(timeline=timeline)
         self._measurable = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        self._sockets = sockets and self._measurable
 
     def open(self):
         e = self.entry
         e._io_start = _written_bytes() if self._measurable else None
+        e._sockets_start = socket_bytes() if self._sockets else None
         e._t0 = time.perf_counter()
         _ACTIVE.add(e)
         return e
@@ -167,6 +261,10 @@ class _LogRegion:
         e.seconds = time.perf_counter() - e._t0
         end = _written_bytes() if e._io_start is not None else None
         e.measured_bytes = None if end is None else end - e._io_start - e._excluded
+        if e._sockets_start is not None:
+            now = socket_bytes() or {}
+            e.socket_sent = {k: b - e._sockets_start.get(k, 0) for k, b in now.items()
+                             if b != e._sockets_start.get(k, 0)}
         return e
 
     def __enter__(self):
@@ -176,11 +274,13 @@ class _LogRegion:
         self.close()
 
 
-def log(group=None, *, timeline=None):
+def log(group=None, *, timeline=None, sockets=False):
     """Collect a :class:`CommLog` of every zerolab.comm call in the region, plus the bytes this
     process really wrote (gloo on Linux; ``measured_bytes`` stays None elsewhere). With
-    ``timeline``, every call also becomes a span on it."""
-    return _LogRegion(group, timeline)
+    ``timeline``, every call also becomes a span on it. With ``sockets``, ``socket_sent`` gets the
+    bytes the kernel sent on each TCP socket during the region (:func:`socket_bytes`; see
+    :meth:`CommLog.measured_by_peer`)."""
+    return _LogRegion(group, timeline, sockets)
 
 
 @contextlib.contextmanager
@@ -223,18 +323,20 @@ def end_span(name, category, start):
 
 def ring_bytes(op, nbytes, world_size):
     """Bytes one rank sends in a bandwidth-optimal ring (Patarasuk & Yuan 2009; the ZeRO paper's
-    accounting): all_reduce 2(N-1)/N*S, reduce_scatter and all_gather (N-1)/N*S, S the full buffer."""
+    accounting): all_reduce 2(N-1)/N*S, reduce_scatter and all_gather (N-1)/N*S, S the full buffer.
+    (all_to_all is no ring: each rank keeps 1/N of its input and sends S/N to every other rank.)"""
     n = world_size
     factor = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "all_gather": (n - 1) / n, "broadcast": (n - 1) / n}[op]
+              "all_gather": (n - 1) / n, "broadcast": (n - 1) / n, "all_to_all": (n - 1) / n}[op]
     return factor * nbytes
 
 
 def _binomial_children(rank, src, n):
-    v, children, step = (rank - src) % n, 0, 1
+    """Group ranks of ``rank``'s children in a binomial broadcast tree rooted at ``src``."""
+    v, children, step = (rank - src) % n, [], 1
     while step < n:
         if step > v and v + step < n:
-            children += 1
+            children.append((v + step + src) % n)
         step *= 2
     return children
 
@@ -254,15 +356,38 @@ class _Traced:
         return getattr(self._work, attr)
 
 
-def _record(op, tensor, group, sent, ideal, work=None, *, t0=None, impl="torch", tag=None):
+def _group_ranks(group):
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _peers(op, ranks, sent, peers, impl, group):
+    """{global rank: bytes} this rank sent under the algorithm: given (``peers``: group ranks), or for
+    the ring collectives all of it to one neighbour: zerolab.ring sends to the next rank in group order
+    (r -> r+1); gloo's own rings: all_reduce (and reduce_scatter, which gloo runs as one) send to the
+    previous rank (r -> r-1), all_gather to the next (r -> r+1), as measured per socket
+    (tests/test_hybrid.py). Unknown ({}) on NCCL, which picks its rings and trees from the topology."""
+    if peers is not None:
+        return {ranks[i]: b for i, b in peers.items() if b}
+    if op in ("all_reduce", "reduce_scatter", "all_gather") and len(ranks) > 1 and sent:
+        gloo = _backend(group) == "gloo"
+        step = 1 if impl == "ring" or (gloo and op == "all_gather") else -1 if gloo else None
+        if step is not None:
+            me = ranks.index(dist.get_rank())
+            return {ranks[(me + step) % len(ranks)]: sent}
+    return {}
+
+
+def _record(op, tensor, group, sent, ideal, work=None, *, t0=None, impl="torch", tag=None, peers=None):
     """Log one call on every active log; give it a span on the active timeline. Returns ``work``
-    (wrapped so that its wait is a span too, when a timeline is active)."""
+    (wrapped so that its wait is a span too, when a timeline is active). ``peers``: {group rank:
+    bytes sent to it}, where the algorithm is not a ring."""
     logs = _ACTIVE.logs()
     if not logs:
         return work
     seconds = None if t0 is None else time.perf_counter() - t0
-    rec = CommRecord(op, tensor.numel() * tensor.element_size(), sent, ideal, dist.get_world_size(group),
-                     seconds, impl, tag)
+    ranks = _group_ranks(group)
+    rec = CommRecord(op, tensor.numel() * tensor.element_size(), sent, ideal, len(ranks),
+                     seconds, impl, tag, ranks, _peers(op, ranks, sent, peers, impl, group))
     for entry in logs:
         entry.records.append(rec)
     tl = _ACTIVE.timeline()
@@ -405,15 +530,34 @@ def broadcast(tensor, src, group=None, async_op=False, *, tag=None):
     s = tensor.numel() * tensor.element_size()
     rank = dist.get_rank(group)
     group_src = src if group is None else dist.get_group_rank(group, src)  # src is a global rank
-    sent = _binomial_children(rank, group_src, n) * s if _backend(group) == "gloo" else ring_bytes("broadcast", s, n)
-    return _record("broadcast", tensor, group, sent, ring_bytes("broadcast", s, n), work, t0=t0, tag=tag)
+    if _backend(group) == "gloo":
+        children = _binomial_children(rank, group_src, n)
+        sent, peers = len(children) * s, {c: s for c in children}
+    else:
+        sent, peers = ring_bytes("broadcast", s, n), None
+    return _record("broadcast", tensor, group, sent, ring_bytes("broadcast", s, n), work, t0=t0, tag=tag,
+                   peers=peers)
+
+
+def all_to_all(output, input, group=None, async_op=False, *, tag=None):
+    """Rank r's chunk j of ``input`` (N equal chunks) lands as chunk r of rank j's ``output``: each
+    rank sends S/N bytes to every other rank, (N-1)/N * S in all (S = ``input``'s bytes)."""
+    n = dist.get_world_size(group)
+    if input.numel() != output.numel() or input.numel() % n:
+        raise ValueError(f"all_to_all: input ({input.numel()} elements) and output ({output.numel()}) must "
+                         f"have the same size, a multiple of world_size ({n})")
+    work, t0 = _call(lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
+    s = input.numel() * input.element_size()
+    me = dist.get_rank(group)
+    return _record("all_to_all", input, group, ring_bytes("all_to_all", s, n), ring_bytes("all_to_all", s, n),
+                   work, t0=t0, tag=tag, peers={j: s // n for j in range(n) if j != me})
 
 
 def isend(tensor, dst, group=None):
     """Start sending ``tensor`` to rank ``dst`` (group rank); returns a handle to ``wait()`` on."""
     s = tensor.numel() * tensor.element_size()
     work = dist.isend(tensor, _global(dst, group), group=group)
-    _record("send", tensor, group, s, s)
+    _record("send", tensor, group, s, s, peers={dst: s})
     return work
 
 

@@ -49,7 +49,7 @@ from zerolab.memory import model_state_bytes
 
 PHASES = ("forward", "backward", "step")
 GATHER_ORDERS = ("after_step", "next_forward")
-REDUCTIONS = ("all_reduce", "reduce_scatter")
+REDUCTIONS = ("all_reduce", "reduce_scatter", "all_to_all")   # all_to_all: qgZ's gradient reduce-scatter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +112,12 @@ def activation_bytes(*, layers, hidden, seq_len, micro_batch, heads, checkpointi
 
 
 def ring_time(op, nbytes, world_size, hw):
-    """Seconds for one ring collective of ``nbytes`` (the full buffer) on ``world_size`` ranks."""
+    """Seconds for one ring collective of ``nbytes`` (the full buffer) on ``world_size`` ranks (an
+    all_to_all, pairwise, sends the same (N-1)/N of its input in N-1 steps: costed alike)."""
     n = world_size
     if n == 1:
         return 0.0
-    phases = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[op]
+    phases = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}[op]
     return phases * ((n - 1) * hw.link_latency + (n - 1) / n * nbytes / hw.link_bandwidth)
 
 
@@ -164,9 +165,16 @@ def comm_time(collectives, world_size, hw, *, links=None):
     """Seconds of a list of (op, full-buffer bytes) ring collectives run one after the other: each
     launch pays its own latency, so a schedule cut into buckets or units costs more than one call.
     ``links``: optional {op: Hardware} whose link_bandwidth/link_latency a collective of that kind
-    uses instead of ``hw``'s (a backend's all-gather need not run at its all-reduce's speed)."""
+    uses instead of ``hw``'s (a backend's all-gather need not run at its all-reduce's speed).
+    ``collectives`` may also hold (op, bytes, group size, Hardware) entries: a call on a group of its
+    own over a link of its own (the two-link model below, :func:`hybrid_collectives`)."""
     links = links or {}
-    return sum(ring_time(op, nbytes, world_size, links.get(op, hw)) for op, nbytes in collectives)
+    total = 0.0
+    for call in collectives:
+        op, nbytes, *own = call
+        n, link = own if own else (world_size, links.get(op, hw))
+        total += ring_time(op, nbytes, n, link)
+    return total
 
 
 def update_time(num_params, world_size, stage, hw, *, offload=False):
@@ -217,14 +225,14 @@ def _by_phase(collectives, stage, gather_order):
             raise ValueError(f"collectives: unknown phase(s) {sorted(unknown)}; use {list(PHASES)}")
         return {phase: list(collectives.get(phase, [])) for phase in PHASES}
     out = {phase: [] for phase in PHASES}        # a flat list: each call in its kind's phase
-    for op, nbytes in collectives:
+    for op, nbytes, *own in collectives:
         if op in REDUCTIONS:
-            out["backward"].append((op, nbytes))
+            out["backward"].append((op, nbytes, *own))
         elif stage == 3:
             raise ValueError("stage 3 all-gathers run in forward AND backward: pass collectives as "
                              "{'forward': [...], 'backward': [...], 'step': [...]}")
         else:
-            out["forward" if gather_order == "next_forward" else "step"].append((op, nbytes))
+            out["forward" if gather_order == "next_forward" else "step"].append((op, nbytes, *own))
     return out
 
 
@@ -278,8 +286,8 @@ def step_time(num_params, world_size, stage, *, tokens_per_rank, hw, offload=Fal
     phases = {}
     for phase in ("forward", "backward"):
         hidden, exposed = [0.0] * m, [0.0] * m   # per micro-batch; the one-per-step calls go in the last
-        for op, nbytes in calls[phase]:
-            t = comm_time([(op, nbytes)], world_size, hw, links=links)
+        for op, nbytes, *own in calls[phase]:
+            t = comm_time([(op, nbytes, *own)], world_size, hw, links=links)
             for i in range(m - rounds(op, phase), m):
                 if overlap and _hides(op, phase, stage, prefetch=prefetch, gather_order=gather_order):
                     hidden[i] += t
@@ -411,3 +419,96 @@ def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mix
     return sorted(rows, key=lambda r: (0, r["step_s"] > fastest * (1 + tolerance), r["offload"],
                                        -(r["micro_batch"] or 0), r["stage"])
                   if r["fits"] else (1, r["device_bytes"] + r["activation_bytes"]))
+
+
+# -- two links: fast inside a node, slow between nodes (lesson 12) ------------------------------------
+@dataclasses.dataclass(frozen=True)
+class TwoLinks:
+    """A cluster's two networks, per GPU and per direction (bytes/s; latency per ring step, s)."""
+    name: str
+    per_node: int
+    intra_bandwidth: float
+    intra_latency: float
+    inter_bandwidth: float
+    inter_latency: float
+
+
+# Sources: NVIDIA DGX A100 datasheet: 8 GPUs, NVLink 3 / NVSwitch "600 GB/s GPU-to-GPU" bidirectional
+# (300 GB/s each way), 8 x ConnectX-6 HDR InfiniBand 200 Gb/s for the compute fabric, one per GPU
+# (25 GB/s). NVIDIA DGX H100 datasheet: 8 GPUs, NVLink 4 "900 GB/s" bidirectional per GPU (450 GB/s
+# each way), 8 x ConnectX-7 400 Gb/s (50 GB/s per GPU). Latencies are assumptions of the right order.
+DGX_A100 = TwoLinks("DGX A100 (NVSwitch 300 GB/s, HDR IB 25 GB/s per GPU)", 8, 300e9, 3e-6, 25e9, 8e-6)
+DGX_H100 = TwoLinks("DGX H100 (NVSwitch 450 GB/s, NDR IB 50 GB/s per GPU)", 8, 450e9, 3e-6, 50e9, 6e-6)
+SCHEMES = ("zero3", "hsdp", "hpz", "qwz", "qgz", "zero++")
+
+
+def _check_scheme(scheme):
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r} is not known: choose one of {list(SCHEMES)}")
+
+
+def hybrid_collectives(num_params, nodes, per_node, scheme, *, word=2, block=2048):
+    """One step's collectives of stage 3 on ``nodes`` x ``per_node`` ranks, by phase, each as
+    (op, full-buffer bytes, link): link "intra" (a group inside one node, p ranks), "inter" (one
+    device per node, m ranks) or "all" (N ranks, crossing nodes: runs at the inter-node speed).
+    ``word``: bytes of a parameter/gradient (bf16: 2). Schemes (zerolab.hybrid's table):
+    "zero3" flat; "hsdp" sharded in the node, gradient shard all-reduced across nodes; "hpz"
+    backward gathers inside the node; "qwz" int8 weight gathers; "qgz" int4 gradients through the
+    hierarchical all-to-all; "zero++" = hpZ + qwZ + qgZ (ZeRO++ Sec. 4)."""
+    _check_scheme(scheme)
+    psi, p = num_params, per_node
+    w = psi * word
+    int8 = psi * (1 + 4 / block)                     # int8 codes + an fp32 scale per block
+    int4 = psi * (0.5 + 4 / block)
+    if scheme == "hsdp":
+        return {"forward": [("all_gather", w, "intra")],
+                "backward": [("all_gather", w, "intra"), ("reduce_scatter", w, "intra"),
+                             ("all_reduce", w / p, "inter")], "step": []}
+    quant_w = scheme in ("qwz", "zero++")
+    forward = [("all_gather", int8 if quant_w else w, "all")]
+    if scheme in ("hpz", "zero++"):
+        back_gather = ("all_gather", w, "intra")     # the secondary copy, inside the node
+    else:
+        back_gather = ("all_gather", int8 if quant_w else w, "all")
+    if scheme in ("qgz", "zero++"):                  # hierarchical all-to-all: node, then nodes
+        grads = [("all_to_all", int4, "intra"), ("all_to_all", int4 / p, "inter")]
+    else:
+        grads = [("reduce_scatter", w, "all")]
+    return {"forward": forward, "backward": [back_gather] + grads, "step": []}
+
+
+def hybrid_link_bytes(num_params, nodes, per_node, scheme, **kw):
+    """{"intra", "inter"}: bytes one rank sends per step under the ideal algorithms (accounting),
+    counting a collective over all N ranks as cross-node (the paper's "cross-node volume": its
+    slowest hop runs at the inter-node speed)."""
+    n = {"intra": per_node, "inter": nodes, "all": nodes * per_node}
+    factor = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
+    out = {"intra": 0.0, "inter": 0.0}
+    for calls in hybrid_collectives(num_params, nodes, per_node, scheme, **kw).values():
+        for op, nbytes, link in calls:
+            g = n[link]
+            out["intra" if link == "intra" else "inter"] += factor[op] * (g - 1) / g * nbytes
+    return out
+
+
+def hybrid_state_bytes(num_params, nodes, per_node, scheme, *, k=12):
+    """Per-rank model-state bytes (mixed precision: 2 + 2 + K per parameter): (4+K)Ψ/N for ZeRO-3 and
+    its quantized variants; (4+K)Ψ/p for HSDP (replicated across nodes); hpZ (and ZeRO++) add the
+    secondary copy, 2Ψ/p."""
+    _check_scheme(scheme)
+    n = nodes * per_node
+    base = (4 + k) * num_params / (per_node if scheme == "hsdp" else n)
+    return base + (2 * num_params / per_node if scheme in ("hpz", "zero++") else 0.0)
+
+
+def hybrid_step_time(num_params, nodes, per_node, scheme, *, tokens_per_rank, hw, links, **kw):
+    """:func:`step_time` of stage 3 with :func:`hybrid_collectives`: each call on its own group and
+    link (``links``, a :class:`TwoLinks`; a group over all N ranks runs at the inter-node speed)."""
+    sizes = {"intra": per_node, "inter": nodes, "all": nodes * per_node}
+    speed = {"intra": dataclasses.replace(hw, link_bandwidth=links.intra_bandwidth, link_latency=links.intra_latency)}
+    speed["inter"] = speed["all"] = dataclasses.replace(hw, link_bandwidth=links.inter_bandwidth,
+                                                        link_latency=links.inter_latency)
+    calls = {phase: [(op, b, sizes[link], speed[link]) for op, b, link in c]
+             for phase, c in hybrid_collectives(num_params, nodes, per_node, scheme).items()}
+    return step_time(num_params, nodes * per_node, 3, tokens_per_rank=tokens_per_rank, hw=hw,
+                     collectives=calls, **kw)

@@ -22,7 +22,9 @@ loss scaling, ``torch.amp.GradScaler``'s rule; a step is skipped on EVERY rank w
 gradient shard overflowed), ``reduce_dtype`` (the dtype gradients are reduced in; default the
 compute dtype, as FSDP2's ``MixedPrecisionPolicy``) and ``engine.clip_grad_norm_(max_norm)`` (the
 global norm from each rank's shard). These options are declared once, in :attr:`Engine.OPTIONS`;
-each stage adds its own (``Zero3Engine.OPTIONS``), merged by :func:`engine_options`.
+each stage adds its own (``Zero3Engine.OPTIONS``), merged by :func:`engine_options`; combinations
+an engine refuses are its :meth:`Engine.check_options` (stage 3's ``mesh``, ``hpz`` and quantized
+collectives: :mod:`zerolab.hybrid`).
 
 Checkpoints (:mod:`zerolab.checkpoint`) use only the public methods :meth:`Engine.quiesce`,
 :meth:`Engine.param_slots` and :meth:`Engine.reload_from_masters`, so a new stage that provides them
@@ -129,6 +131,7 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
             raise ValueError(f"unknown option {name!r} for {engine_class.label()}{where}. Valid: the engine's "
                              f"options {sorted(specs) or '(none)'} and {optimizer_class.__name__}'s "
                              f"arguments {sorted(accepted)}")
+    engine_class.check_options(options)        # combinations of the engine's own options
     return options, opt_kwargs
 
 
@@ -314,6 +317,12 @@ class Engine:
     @classmethod
     def label(cls):
         return f"stage {cls.stage}" + (" + offload" if cls.offloaded else "")
+
+    @classmethod
+    def check_options(cls, options):
+        """Raise ValueError naming a combination of this engine's options (each one valid alone) that
+        it does not support; ``options``: {name: value} with defaults filled in. Called once, by
+        :func:`split_options`. Every value is fine together here; an engine class may say otherwise."""
 
     @property
     def reduce_impl(self):

@@ -16,17 +16,17 @@ stage  module                    what each rank keeps (Ψ parameters, N ranks, K
 import torch
 
 from zerolab.engine import check_common, check_same_model, split_options
+from zerolab.hybrid import HybridEngine
 from zerolab.offload import Zero1OffloadEngine, Zero2OffloadEngine, Zero3OffloadEngine
 from zerolab.zero0 import DataParallelEngine
 from zerolab.zero1 import Zero1Engine
 from zerolab.zero2 import Zero2Engine
-from zerolab.zero3 import Zero3Engine
 
 ENGINES = {
     (0, None): DataParallelEngine,
     (1, None): Zero1Engine,
     (2, None): Zero2Engine,
-    (3, None): Zero3Engine,
+    (3, None): HybridEngine,      # Zero3Engine itself unless given mesh / hpz / quantize_* (lesson 12)
     (1, "optimizer"): Zero1OffloadEngine,
     (2, "optimizer"): Zero2OffloadEngine,
     (3, "optimizer"): Zero3OffloadEngine,
@@ -59,7 +59,9 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
     ``activation_checkpointing='full'`` or ``'selective'``: recompute each block, or each block's core
     attention, in backward (``checkpoint_units=[...]``: the modules to recompute, for models other
     than TinyGPT; lesson 10). Stage-specific options (stage 3: ``units``, ``prefetch``,
-    ``persist_numel``, ``ops``) are keywords too. Raises ValueError naming any bad or unknown value and
+    ``persist_numel``, ``ops``; on a 2-D mesh, lesson 12: ``mesh=(nodes, devices per node)`` for
+    HSDP, ``hpz=True``, ``quantize_weights=True``, ``quantize_gradients='int4'`` or ``'int8'``,
+    ``quantize_block``: :mod:`zerolab.hybrid`) are keywords too. Raises ValueError naming any bad or unknown value and
     the valid ones. Every rank must call it with the same model (checked).
     """
     if stage not in STAGES:

@@ -127,6 +127,7 @@ class Zero3Engine(ShardedEngine):
             self._free(u)                                         # resting state: shards only
         module.register_forward_pre_hook(self._guard)
         self._in_forward, self._in_backward, self._inflight, self._fwd, self._bwd = False, False, [], [], []
+        self.phase = "forward"        # what the next gathers serve: "forward", or "backward" once forward ran
         self._predicted = [u.index for u in self.units if not u.resident]   # forward order guess
         self._running, self._uses_checked = [], False    # units whose forward runs; first forward checked
 
@@ -183,7 +184,7 @@ class Zero3Engine(ShardedEngine):
 
     def forward(self, *args, **kwargs):
         self._settle()                           # a forward whose backward never came
-        self._fwd, grad = [], torch.is_grad_enabled()
+        self._fwd, grad, self.phase = [], torch.is_grad_enabled(), "forward"
         for u in self.units:
             u.started, u.launched, u.arrived, u.t_bwd = False, False, set(), None
             if u.resident:
@@ -199,7 +200,7 @@ class Zero3Engine(ShardedEngine):
                                   **engine.cast_floats(kwargs, self.compute_dtype))
             self._uses_checked = True
         finally:
-            self._in_forward = False
+            self._in_forward, self.phase = False, "backward"   # every later gather serves backward
             self._predicted = self._fwd or self._predicted
             for u in self.units:                 # wrong guesses: a prefetched unit never used
                 if not u.resident and u.state != FREE:

@@ -157,6 +157,15 @@ def _peer(real, args, kwargs, *names):
     return None
 
 
+def _group(group):
+    """The global ranks of ``group`` (None: the default group), as a tuple; None if unknown."""
+    import torch.distributed as dist
+    try:
+        return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return None
+
+
 _OP_NAMES = {"reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
              "_reduce_scatter_flat": "reduce_scatter", "all_gather_into_tensor": "all_gather",
              "all_gather_single": "all_gather", "_all_gather_flat": "all_gather"}
@@ -169,7 +178,8 @@ def record_collectives():
     'all_reduce', 'broadcast', 'reduce', 'isend', ...), 'bytes' of its largest tensor, 'in_backward'
     True when launched while autograd's backward was running (from a gradient hook), 'async' (it was
     started with ``async_op=True``), 'peer' (the global rank of ``dst`` / ``src`` for reduce,
-    broadcast and sends; else None) and 'seq' (its position among every call recorded, from 0).
+    broadcast and sends; else None), 'group' (the global ranks of the group it ran on, a tuple) and
+    'seq' (its position among every call recorded, from 0).
     Only the outermost call is recorded (torch's deprecated names call the new ones). Yields the list."""
     import threading
 
@@ -189,6 +199,7 @@ def record_collectives():
                               "in_backward": torch._C._current_graph_task_id() != -1,
                               "async": bool(bound.get("async_op", False)) or name in ("isend", "irecv"),
                               "peer": _peer(real, args, kwargs, "dst", "src"),
+                              "group": _group(bound.get("group")),
                               "seq": len(calls)})
                 state.inside = True
             try:
