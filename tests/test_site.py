@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))   # 07b too
 CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = REPO / "test-artifacts" / "site"
 pytest.importorskip("myst_nb", reason="the site extra is not installed (make setup installs it)")

@@ -179,14 +179,14 @@ def _section(sections, start):
 
 def link_lessons(table_text, notebooks):
     """In README's lesson table, link each lesson's name (second column) to its notebook."""
-    by_number = {nb.name[:2]: nb.name for nb in notebooks}
+    by_number = {nb.name.split("_")[0]: nb.name for nb in notebooks}   # "07", "07b", ...
 
     def link(match):
         number, name = match.group(1), match.group(2).strip()
         if number not in by_number:
             raise SiteError(f"README.md lists lesson {number}, but there is no notebooks/{number}_*.ipynb")
         return f"| {number} | [{name}](notebooks/{by_number[number]}) |"
-    return re.sub(r"^\| (\d\d) \|([^|]+)\|", link, table_text, flags=re.M)
+    return re.sub(r"^\| (\d\d[a-z]?) \|([^|]+)\|", link, table_text, flags=re.M)
 
 
 def landing_page(readme, notebooks, exercises):
@@ -202,7 +202,7 @@ def landing_page(readme, notebooks, exercises):
                 "* **[Benchmark results](benchmarks/RESULTS.md)**: what `make bench` measured.\n\n")
     lessons = "\n".join(f"notebooks/{nb.stem}" for nb in notebooks)
     body.append(f"```{{toctree}}\n:hidden:\n:caption: Lessons\n\n{lessons}\n```\n\n"
-                "```{toctree}\n:hidden:\n:caption: More\n\nexercises\nbenchmarks/RESULTS\n```\n")
+                "```{toctree}\n:hidden:\n:caption: More\n\nexercises\nbenchmarks/RESULTS\nCHANGELOG\n```\n")
     return "".join(body)
 
 
@@ -236,7 +236,7 @@ def _write(path, data):
 
 def stage(src, repo=REPO):
     """Write the site's sources (from the checkout ``repo``) into ``src``; return the files staged."""
-    notebooks = sorted((repo / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = sorted((repo / "notebooks").glob("[0-9][0-9]*_*.ipynb"))   # 07b_at_scale too
     exercises = sorted((repo / "exercises").glob("ex[0-9][0-9]_*.py"))
     if not notebooks:
         raise SiteError("no notebooks/NN_*.ipynb to publish")
@@ -249,6 +249,7 @@ def stage(src, repo=REPO):
     for path in exercises:
         staged[f"exercises/{path.name}"] = path.read_bytes()
     staged["benchmarks/RESULTS.md"] = (repo / "benchmarks" / "RESULTS.md").read_bytes()
+    staged["CHANGELOG.md"] = (repo / "CHANGELOG.md").read_bytes()     # README links to it
     staged["index.md"] = landing_page(readme, notebooks, exercises)
     staged["exercises.md"] = exercises_page(readme, notebooks, exercises)
     for rel, data in staged.items():

@@ -126,7 +126,7 @@ def main(argv=None):
     parser.add_argument("notebooks", nargs="*", help="default: notebooks/NN_*.ipynb")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook would change")
     args = parser.parse_args(argv)
-    paths = args.notebooks or sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    paths = args.notebooks or sorted((REPO / "notebooks").glob("[0-9][0-9]*_*.ipynb"))
     stale = [pathlib.Path(p).name for p in paths if process(p, check=args.check)]
     if args.check and stale:
         print(f"slide metadata out of date in {', '.join(stale)}: run `python tools/slides.py`", file=sys.stderr)

@@ -3,7 +3,6 @@ bound) and HSDP's gradient path on 2 nodes x 2 devices (against the float64 mean
 which group carried how many bytes: (p-1)/p of the gradient inside the node, 2(m-1)/m of a 1/p
 shard across nodes, nothing over all ranks)."""
 import math
-import os
 
 import pytest
 import torch
@@ -56,18 +55,8 @@ def check_hsdp(numel):
     intra, inter = nodes[rank // p], devices[rank % p]
     grads = [torch.randn(numel, generator=torch.Generator().manual_seed(10 + r), dtype=torch.float64)
              for r in range(m * p)]                              # every rank's, to compute the mean here
-    # zerolab.comm's collective checks (ZEROLAB_CHECK_COLLECTIVES, set by the test session) are small
-    # all-reduces of their own: off here, so that only the exercise's collectives are recorded
-    old = os.environ.get("ZEROLAB_CHECK_COLLECTIVES")
-    os.environ["ZEROLAB_CHECK_COLLECTIVES"] = "0"
-    try:
-        with record_collectives() as calls:
-            shard = ex.hsdp_reduce_gradients(grads[rank].clone(), intra, inter)
-    finally:
-        if old is None:
-            os.environ.pop("ZEROLAB_CHECK_COLLECTIVES", None)
-        else:
-            os.environ["ZEROLAB_CHECK_COLLECTIVES"] = old
+    with record_collectives() as calls:       # (zerolab.comm's own cross-rank checks are not recorded)
+        shard = ex.hsdp_reduce_gradients(grads[rank].clone(), intra, inter)
     mean = torch.stack(grads).mean(dim=0)
     return shard, mean.view(p, -1)[rank % p], [(c["op"], c["group"], c["bytes"]) for c in calls]
 
