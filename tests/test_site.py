@@ -121,6 +121,7 @@ def _tiny_course(root, markdown):
     (root / "README.md").write_text(TINY_README)
     (root / "exercises" / "ex00_tiny.py").write_text("def f():\n    raise NotImplementedError\n")
     (root / "benchmarks" / "RESULTS.md").write_text("# Benchmark results\n\nNone.\n")
+    (root / "CHANGELOG.md").write_text("# Changelog\n\nNone yet.\n")
     nb = {"cells": [{"cell_type": "markdown", "id": "c0", "metadata": {}, "source": markdown}],
           "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
     (root / "notebooks" / "00_tiny.ipynb").write_text(json.dumps(nb))
