@@ -4,7 +4,9 @@ path on a 2-D mesh (lesson 12).
 12.1 ``quantize_blocks`` / ``dequantize_blocks``: symmetric int8 block quantization. The flat tensor
      is cut into blocks of ``block`` elements (the last one may be shorter); each block b gets one
      fp32 scale s_b = max|x| over the block / 127, and each element the int8 code round(x / s_b) in
-     [-127, 127]. A block of zeros has scale 0 and codes 0.
+     [-127, 127]. A block of zeros has scale 0 and codes 0. Arithmetic in fp32: the input is cast to
+     fp32 first (a float64 input too), and round() is torch.round's (halves to even), as the
+     receiver of an fp32 scale would compute it.
 12.2 ``hsdp_reduce_gradients``: HSDP's gradient reduction on m nodes x p devices. Every rank holds
      its full local gradient; it must end with its own 1/p shard of the gradient averaged over ALL
      m x p ranks, reduced inside its node first and then across nodes (fast links carry the big

@@ -275,9 +275,24 @@ def test_hybrid_state_bytes_and_step_time():
     # a call on its own group and link: (op, bytes, group size, Hardware)
     slow = cost.dataclasses.replace(HW, link_bandwidth=HW.link_bandwidth / 10)
     assert cost.comm_time([("all_gather", 1e9, 2, slow)], 4, HW) == pytest.approx(cost.ring_time("all_gather", 1e9, 2, slow))
-    # few tokens per rank: communication exposed; ZeRO++ faster than flat ZeRO-3, HSDP faster still
-    t = {s: cost.hybrid_step_time(psi, m, p, s, tokens_per_rank=256, hw=cost.H100_80GB, links=cost.DGX_H100)["total"]
-         for s in cost.SCHEMES}
-    assert t["hsdp"] < t["zero++"] < t["hpz"] < t["zero3"], t
+    # per-GPU bandwidth by link, by hand: a DGX H100's 8 NICs shared by 8 GPUs (inter), a flat ring
+    # per NIC (min(NVSwitch 450, 8 x 50) = 400 GB/s), or one ring through one NIC (50)
+    dgx, one = cost.DGX_H100, cost.ONE_NIC_H100
+    assert (dgx.bandwidth("intra"), dgx.bandwidth("inter"), dgx.bandwidth("all")) == (450e9, 50e9, 400e9)
+    assert dgx.bandwidth("all", flat="one_ring") == 50e9
+    assert (one.bandwidth("inter"), one.bandwidth("all")) == (50e9 / 8, 50e9)
+    with pytest.raises(ValueError, match="flat='two_rings'"):
+        dgx.bandwidth("all", flat="two_rings")
+
+    def times(links, **kw):
+        return {s: cost.hybrid_step_time(psi, m, p, s, tokens_per_rank=256, hw=cost.H100_80GB, links=links,
+                                         **kw)["total"] for s in cost.SCHEMES}
+    # few tokens per rank: communication exposed. On one NIC per node, ZeRO++ beats hpZ beats flat
+    # ZeRO-3, and HSDP (its only cross-node call the gradient shard's all-reduce) beats flat ZeRO-3
+    low = times(one)
+    assert low["zero++"] < low["hpz"] < low["zero3"] and low["hsdp"] < low["zero3"], low
+    # rings per NIC make flat ZeRO-3 several times faster than one ring; HSDP has no flat ring
+    per_nic, one_ring = times(dgx), times(dgx, flat="one_ring")
+    assert one_ring["zero3"] > 4 * per_nic["zero3"] and one_ring["hsdp"] == per_nic["hsdp"]
     with pytest.raises(ValueError, match="scheme='zero4'"):
         cost.hybrid_link_bytes(psi, m, p, "zero4")

@@ -424,21 +424,53 @@ def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mix
 # -- two links: fast inside a node, slow between nodes (lesson 12) ------------------------------------
 @dataclasses.dataclass(frozen=True)
 class TwoLinks:
-    """A cluster's two networks, per GPU and per direction (bytes/s; latency per ring step, s)."""
+    """A cluster's two networks, per direction (bytes/s; latency per ring step, s): each GPU's link
+    into the node's switch (``intra_bandwidth``), and the node's ``nics`` network cards of
+    ``nic_bandwidth`` each, shared by its ``per_node`` GPUs.
+
+    What a collective crossing nodes gets, per GPU, depends on its shape (:meth:`bandwidth`):
+
+    * a group of one GPU per node ("inter": HSDP's all-reduce, qgZ's second hop), all ``per_node``
+      such groups running at once: the node's NICs shared, ``nics·nic_bandwidth / per_node``;
+    * a ring over all N ranks ("all"): NCCL builds one ring per NIC, each carrying 1/nics of the
+      buffer and leaving the node through its own NIC, so the node's NICs work together and each
+      GPU's share runs at ``min(intra_bandwidth, nics·nic_bandwidth)`` (NVIDIA's nccl-tests: a flat
+      ring's bus bandwidth is the node's total NIC bandwidth). ``flat="one_ring"``: one ring, as
+      gloo runs it here, every hop across nodes through ONE NIC: ``nic_bandwidth``.
+    """
     name: str
     per_node: int
     intra_bandwidth: float
     intra_latency: float
-    inter_bandwidth: float
+    nics: int
+    nic_bandwidth: float
     inter_latency: float
 
+    def bandwidth(self, link, flat="per_nic"):
+        """Per-GPU bandwidth of a collective on ``link`` ("intra", "inter" or "all"), see above."""
+        if flat not in FLAT_RINGS:
+            raise ValueError(f"flat={flat!r} is not known: choose one of {list(FLAT_RINGS)}")
+        if link == "intra":
+            return self.intra_bandwidth
+        if link == "inter":
+            return self.nics * self.nic_bandwidth / self.per_node
+        if flat == "one_ring":
+            return self.nic_bandwidth
+        return min(self.intra_bandwidth, self.nics * self.nic_bandwidth)
+
+
+FLAT_RINGS = ("per_nic", "one_ring")
 
 # Sources: NVIDIA DGX A100 datasheet: 8 GPUs, NVLink 3 / NVSwitch "600 GB/s GPU-to-GPU" bidirectional
 # (300 GB/s each way), 8 x ConnectX-6 HDR InfiniBand 200 Gb/s for the compute fabric, one per GPU
 # (25 GB/s). NVIDIA DGX H100 datasheet: 8 GPUs, NVLink 4 "900 GB/s" bidirectional per GPU (450 GB/s
 # each way), 8 x ConnectX-7 400 Gb/s (50 GB/s per GPU). Latencies are assumptions of the right order.
-DGX_A100 = TwoLinks("DGX A100 (NVSwitch 300 GB/s, HDR IB 25 GB/s per GPU)", 8, 300e9, 3e-6, 25e9, 8e-6)
-DGX_H100 = TwoLinks("DGX H100 (NVSwitch 450 GB/s, NDR IB 50 GB/s per GPU)", 8, 450e9, 3e-6, 50e9, 6e-6)
+DGX_A100 = TwoLinks("DGX A100 (NVSwitch 300 GB/s per GPU, 8 x HDR IB 25 GB/s)", 8, 300e9, 3e-6, 8, 25e9, 8e-6)
+DGX_H100 = TwoLinks("DGX H100 (NVSwitch 450 GB/s per GPU, 8 x NDR IB 50 GB/s)", 8, 450e9, 3e-6, 8, 50e9, 6e-6)
+# The regime ZeRO++ was built for (its evaluation: low-bandwidth clusters): the same H100 node with
+# ONE 400 Gb/s NIC for its 8 GPUs. An illustration, not a product.
+ONE_NIC_H100 = TwoLinks("H100 node, 1 x 400 Gb/s NIC for 8 GPUs (a low-bandwidth cluster)", 8, 450e9, 3e-6,
+                        1, 50e9, 6e-6)
 SCHEMES = ("zero3", "hsdp", "hpz", "qwz", "qgz", "zero++")
 
 
@@ -454,7 +486,7 @@ def hybrid_collectives(num_params, nodes, per_node, scheme, *, word=2, block=204
     ``word``: bytes of a parameter/gradient (bf16: 2). Schemes (zerolab.hybrid's table):
     "zero3" flat; "hsdp" sharded in the node, gradient shard all-reduced across nodes; "hpz"
     backward gathers inside the node; "qwz" int8 weight gathers; "qgz" int4 gradients through the
-    hierarchical all-to-all; "zero++" = hpZ + qwZ + qgZ (ZeRO++ Sec. 4)."""
+    hierarchical all-to-all; "zero++" = hpZ + qwZ + qgZ (ZeRO++ Sec. 3)."""
     _check_scheme(scheme)
     psi, p = num_params, per_node
     w = psi * word
@@ -501,14 +533,23 @@ def hybrid_state_bytes(num_params, nodes, per_node, scheme, *, k=12):
     return base + (2 * num_params / per_node if scheme in ("hpz", "zero++") else 0.0)
 
 
-def hybrid_step_time(num_params, nodes, per_node, scheme, *, tokens_per_rank, hw, links, **kw):
+def hybrid_step_time(num_params, nodes, per_node, scheme, *, tokens_per_rank, hw, links, flat="per_nic",
+                     **kw):
     """:func:`step_time` of stage 3 with :func:`hybrid_collectives`: each call on its own group and
-    link (``links``, a :class:`TwoLinks`; a group over all N ranks runs at the inter-node speed)."""
+    link, at the per-GPU bandwidth :meth:`TwoLinks.bandwidth` gives it (``flat``: how a ring over all
+    N ranks uses the NICs). The update is costed for the shard each rank steps: Ψ/p for HSDP (its
+    ranks hold 1/p, replicated across nodes), Ψ/N otherwise."""
     sizes = {"intra": per_node, "inter": nodes, "all": nodes * per_node}
-    speed = {"intra": dataclasses.replace(hw, link_bandwidth=links.intra_bandwidth, link_latency=links.intra_latency)}
-    speed["inter"] = speed["all"] = dataclasses.replace(hw, link_bandwidth=links.inter_bandwidth,
-                                                        link_latency=links.inter_latency)
+    latency = {"intra": links.intra_latency, "inter": links.inter_latency, "all": links.inter_latency}
+    speed = {link: dataclasses.replace(hw, link_bandwidth=links.bandwidth(link, flat), link_latency=latency[link])
+             for link in sizes}
     calls = {phase: [(op, b, sizes[link], speed[link]) for op, b, link in c]
              for phase, c in hybrid_collectives(num_params, nodes, per_node, scheme).items()}
-    return step_time(num_params, nodes * per_node, 3, tokens_per_rank=tokens_per_rank, hw=hw,
-                     collectives=calls, **kw)
+    out = step_time(num_params, nodes * per_node, 3, tokens_per_rank=tokens_per_rank, hw=hw,
+                    collectives=calls, **kw)
+    if scheme == "hsdp":                     # each rank steps 1/p of the parameters, not 1/N
+        extra = update_time(num_params, per_node, 3, hw) - out["update"]
+        out["update"] += extra
+        out["step"] += extra
+        out["total"] += extra
+    return out

@@ -14,13 +14,13 @@ options                            parameters (K: optimizer bytes)  per unit and
                                                                     across nodes (FSDP2's 2-D mesh; MiCS)
 ``mesh=(m, p), hpz=True``: hpZ     (4+K)Ψ/N + 2Ψ/p (a secondary     forward all-gather over all N; backward's
                                    copy, sharded in the node)       from the secondary copy, inside the node
-                                                                    (ZeRO++ Sec. 4.2)
+                                                                    (ZeRO++ Sec. 3.2)
 ``quantize_weights=True``: qwZ     unchanged                        forward all-gather in int8, block-wise
-                                                                    (ZeRO++ Sec. 4.1): 1/2 of bf16's bytes
+                                                                    (ZeRO++ Sec. 3.1): 1/2 of bf16's bytes
 ``quantize_gradients="int4"``:     unchanged                        reduce-scatter as quantized all-to-alls:
 qgZ (or "int8")                                                     one hop on a flat group, hierarchical
                                                                     (node, then across nodes) with hpZ
-                                                                    (ZeRO++ Sec. 4.3)
+                                                                    (ZeRO++ Sec. 3.3)
 =================================  ==============================  ===========================================
 
 HSDP and hpZ are exact (float64: equal to one process); qwZ and qgZ are not: the forward computes on
@@ -70,7 +70,7 @@ class HybridOps:
             return comm.all_gather(full, secondary, group=e.mesh.intra, async_op=async_op,
                                    tag=f"{unit.name} hpZ")
         tag = f"{unit.name} prefetch" if async_op else unit.name
-        if e.quantize_weights:    # qwZ: int8 codes + one fp32 scale per block (ZeRO++ Sec. 4.1)
+        if e.quantize_weights:    # qwZ: int8 codes + one fp32 scale per block (ZeRO++ Sec. 3.1)
             work = quantize.quantized_all_gather(full, unit.shard, group=group, bits=8, block=e.quantize_block,
                                                  async_op=async_op, tag=f"{tag} int8")
         else:
@@ -165,7 +165,7 @@ class HybridEngine(Zero3Engine):
             group = self.mesh.intra                       # HSDP: shard inside the node only
         super().__init__(module, ops=HybridOps(self) if self.hybrid else ops, group=group, **options)
 
-    # -- hpZ: the secondary partition (ZeRO++ Sec. 4.2) -------------------------------------------
+    # -- hpZ: the secondary partition (ZeRO++ Sec. 3.2) -------------------------------------------
     def keep_secondary(self, unit):
         """After forward's all-gather of ``unit``: copy this rank's 1/p slice of it (its node's
         device index) into the unit's secondary shard, which backward all-gathers inside the node.

@@ -4,12 +4,13 @@ Efficient Collective Communication for Giant Model Training", arXiv 2306.10209).
 **Block quantization.** A tensor is cut into blocks of ``block`` elements; each block gets its own
 scale s = max|x| / q_max (fp32, symmetric: q_max = 127 for int8, 7 for int4) and each element
 becomes the integer round(x / s) in [-q_max, q_max]; dequantized, q * s is within s / 2 of x. One
-scale for the whole tensor would let a single large value coarsen every small one (ZeRO++ Sec. 4.1
+scale for the whole tensor would let a single large value coarsen every small one (ZeRO++ Sec. 3.1
 reports block-based quantization far more accurate than one scale per tensor); one per block keeps
 each block's error proportional to its own largest value. On the wire an element costs ``bits / 8``
-bytes, plus 4 bytes per block for its scale: :func:`wire_bytes`. Block size: 2048 by default, so that
-the course's small units still hold several blocks per shard while the scales add 4/2048 bytes per
-element (0.2% of int8's payload); DeepSpeed's weight quantizer aims at groups of about 4k elements
+bytes, plus 4 bytes per block for its scale: :func:`wire_bytes`. Block size: 2048 by default, the order
+DeepSpeed uses, for which the scales add 4/2048 bytes per element (0.2% of int8's payload); TinyGPT's
+shards hold only a few thousand elements, so lesson 12 passes ``quantize_block=64`` to get several
+blocks per shard; DeepSpeed's weight quantizer aims at groups of about 4k elements
 (``CUDAQuantizer.target_group_size = 8000``, "the optimal size is 4k").
 
 **The collectives** (each built on :mod:`zerolab.comm`, so every byte is logged):
@@ -22,7 +23,7 @@ element (0.2% of int8's payload); DeepSpeed's weight quantizer aims at groups of
   sum (:func:`ring_quantized_reduce_scatter`, here only to measure that); an all-to-all sends each
   rank's contribution to its owner once, quantized once, and the owner sums in fp32 (adding its own
   slice exact: it never travels).
-* :func:`hierarchical_reduce_scatter`: **qgZ** as ZeRO++ runs it on a 2-D mesh (Sec. 4.3, the
+* :func:`hierarchical_reduce_scatter`: **qgZ** as ZeRO++ runs it on a 2-D mesh (Sec. 3.3, the
   hierarchical all-to-all): an all-to-all inside the node, a reduction there, a second quantization
   and an all-to-all across nodes. Each value is quantized twice whatever N is, and only Ψ/per_node
   of the gradient (per rank, quantized) crosses the slow links.
@@ -190,7 +191,7 @@ def quantized_reduce_scatter(output, input, group=None, *, bits=4, block=DEFAULT
 
 
 def hierarchical_reduce_scatter(output, input, mesh, *, bits=4, block=DEFAULT_BLOCK, tag=None):
-    """qgZ on a 2-D mesh (ZeRO++ Sec. 4.3): ``output`` receives the SUM over all ranks of this rank's
+    """qgZ on a 2-D mesh (ZeRO++ Sec. 3.3): ``output`` receives the SUM over all ranks of this rank's
     slice of ``input``, slices in world-rank order (rank = node x per_node + device). Blocking.
 
     1. inside the node: slice k of the reordered input (the slices of every node's device k, ZeRO++'s
