@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import json
+import re
 import time
 import urllib.request
 
@@ -165,7 +166,7 @@ def test_lesson_00_shows_per_rank_output(page, lab):
     text = "\n".join(outputs)
     for r in range(4):
         assert f"[rank {r}] I am rank {r} of 4" in text
-    assert "Exercise 00: 0 / 21 points" in text  # the last cell ran too
+    assert re.search(r"Exercise 00: 0 / \d+ points", text), text[-500:]  # the last cell ran too
 
 
 def test_lesson_01_calculator_slider_redraws_the_chart(page, lab):

@@ -177,7 +177,8 @@ def test_ranks_and_what_they_started_exit_when_the_parent_dies(tmp_path):
 
 def test_keyboard_interrupt_stops_all_ranks():
     p = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import os, time, zerolab
+        import os, signal, time, zerolab
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # even if started with SIGINT ignored
         c = zerolab.Cluster(2)
         print(*c.run(os.getpid), flush=True)
         try:
