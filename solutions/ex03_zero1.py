@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 
-def greedy_partition(numels, world_size):
+def _greedy_partition(numels, world_size):
     """Index lists per rank: largest first (ties in the given order), each to the least-loaded rank
     (ties: the lowest rank). torch's ZeroRedundancyOptimizer._partition_parameters does the same."""
     order = sorted(range(len(numels)), key=lambda i: -numels[i])     # stable: ties keep their order
@@ -22,7 +22,7 @@ class ParamZero1:
         self.group = group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
-        parts = greedy_partition([p.numel() for p in self.params], self.world_size)
+        parts = _greedy_partition([p.numel() for p in self.params], self.world_size)
         self.partition = [[self.params[i] for i in sorted(ids)] for ids in parts]   # model order
         self.owner = {id(p): r for r, ps in enumerate(self.partition) for p in ps}
         self.local = optimizer_class(self.partition[self.rank], **defaults)       # state: own params only
@@ -60,5 +60,5 @@ class ParamZero1:
 
 def largest_share(numels, world_size):
     """The fraction of the optimizer state the most loaded rank holds under the greedy partition."""
-    parts = greedy_partition(numels, world_size)
+    parts = _greedy_partition(numels, world_size)
     return max(sum(numels[i] for i in ids) for ids in parts) / sum(numels)
