@@ -341,6 +341,22 @@ def _binomial_children(rank, src, n):
     return children
 
 
+class Then:
+    """The handle of an asynchronous collective with a follow-up: ``wait()`` waits for the
+    collective, then runs ``then()`` once (a dequantization, keeping a slice of what was gathered).
+    What a composite collective returns when ``async_op=True``."""
+
+    def __init__(self, work, then):
+        self._work, self._then = work, then
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self._then()
+        return True
+
+
 class _Traced:
     """An async handle whose ``wait()`` is recorded as a "wait" span (only made while a timeline is
     active); everything else is the handle's own."""

@@ -79,7 +79,7 @@ class HybridOps:
             return work
         keep = lambda: e.keep_secondary(unit)    # hpZ: keep this node's slice of what forward gathered
         if async_op:
-            return _Then(work, keep)
+            return comm.Then(work, keep)
         if work is not None:
             work.wait()
         keep()
@@ -104,20 +104,6 @@ class HybridOps:
     @staticmethod
     def register_pre_backward(output, fn):
         return zero3.register_pre_backward(output, fn)
-
-
-class _Then:
-    """An async handle that runs ``then()`` once its collective has completed."""
-
-    def __init__(self, work, then):
-        self._work, self._then = work, then
-
-    def wait(self):
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            self._then()
-        return True
 
 
 class HybridEngine(Zero3Engine):

@@ -120,21 +120,6 @@ def roundtrip(x, *, bits=8, block=DEFAULT_BLOCK):
     return dequantize(quantize(x, bits=bits, block=block), block=block, dtype=x.dtype).view(x.shape)
 
 
-class _Pending:
-    """The handle of an asynchronous quantized all-gather: ``wait()`` waits for the bytes, then
-    dequantizes them into the output."""
-
-    def __init__(self, work, finish):
-        self._work, self._finish = work, finish
-
-    def wait(self):
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            self._finish()
-        return True
-
-
 # -- qwZ: the quantized all-gather of weights -------------------------------------------------
 def quantized_all_gather(output, input, group=None, *, bits=8, block=DEFAULT_BLOCK, async_op=False, tag=None):
     """``output`` (N x ``input``, the compute dtype) receives every rank's ``input``, each quantized
@@ -155,7 +140,7 @@ def quantized_all_gather(output, input, group=None, *, bits=8, block=DEFAULT_BLO
         for r, part in enumerate(gathered.split(payload.numel())):        # every rank's, mine too
             flat[r * k:(r + 1) * k].copy_(dequantize(unpack(part, k, bits=bits, block=block), block=block))
     if async_op:
-        return _Pending(work, finish)
+        return comm.Then(work, finish)   # wait(): the bytes, then dequantize
     finish()
     return None
 
