@@ -85,3 +85,24 @@ def wait_for_jupyter(proc, base, token, timeout=90):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Jupyter server did not answer within {timeout} s") from None
             time.sleep(0.5)
+
+
+# The own-loop tests' models (tests/test_fully_shard.py, tests/test_mixed_precision.py): what every
+# rank builds, one rank's micro-batch, and the global batch one process trains on.
+SMALL_GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
+MICRO = 4
+
+
+def build_small(name, dtype=torch.float64):
+    from zerolab import models
+    return models.build(name, seed=0, dtype=dtype, **(SMALL_GPT if name == "gpt" else {}))
+
+
+def small_batch(name, model, step, rank, dtype=torch.float64):
+    from zerolab import models
+    return models.batch(name, seed=100 * step + rank, batch_size=MICRO, model=model, dtype=dtype)
+
+
+def small_global_batch(name, model, step, n, dtype=torch.float64):
+    parts = [small_batch(name, model, step, r, dtype) for r in range(n)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

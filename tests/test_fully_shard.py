@@ -10,25 +10,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from helpers import assert_params
-from zerolab import models
+from helpers import SMALL_GPT as GPT, assert_params
+from helpers import build_small as _build, small_batch as _data, small_global_batch as _global
 
-GPT = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=16)
 EXACT = dict(rtol=1e-10, atol=1e-12)
-MICRO, STEPS = 4, 3
-
-
-def _build(name, dtype=torch.float64):
-    return models.build(name, seed=0, dtype=dtype, **(GPT if name == "gpt" else {}))
-
-
-def _data(name, model, step, rank, dtype=torch.float64):
-    return models.batch(name, seed=100 * step + rank, batch_size=MICRO, model=model, dtype=dtype)
-
-
-def _global(name, model, step, n, dtype=torch.float64):
-    parts = [_data(name, model, step, r, dtype) for r in range(n)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+STEPS = 3
 
 
 def _opt(kind, params):
