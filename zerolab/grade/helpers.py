@@ -248,12 +248,27 @@ def live_storages(hold=None):
     return out
 
 
-def new_bytes(before, extra=()):
+def new_bytes(before, extra=(), *, settle_to=None, settle_s=1.0):
     """Bytes of the storages alive now (the census, plus the tensors in ``extra``) that were not in
-    the census ``before``."""
-    now = live_storages()
-    for t in extra:
-        if t is not None and t.untyped_storage().nbytes():
-            st = t.untyped_storage()
-            now[(st.device.type, st.device.index, st.data_ptr())] = st.nbytes()
-    return sum(b for key, b in now.items() if key not in before)
+    the census ``before``. ``settle_to``: while the count is above it, count again (for up to
+    ``settle_s`` seconds): gloo's worker thread drops its reference to a completed collective's
+    tensors a moment AFTER ``wait()`` returns, so a buffer the code under test already released can
+    still be alive for an instant. A buffer the code really keeps stays counted."""
+    import gc
+    import time
+
+    def count():
+        now = live_storages()
+        for t in extra:
+            if t is not None and t.untyped_storage().nbytes():
+                st = t.untyped_storage()
+                now[(st.device.type, st.device.index, st.data_ptr())] = st.nbytes()
+        return sum(b for key, b in now.items() if key not in before)
+
+    extra = list(extra)
+    got, deadline = count(), time.monotonic() + settle_s
+    while settle_to is not None and got > settle_to and time.monotonic() < deadline:
+        time.sleep(0.005)
+        gc.collect()
+        got = count()
+    return got
