@@ -69,6 +69,10 @@ def _initialize_refusals():
         "reduce_impl": lambda: zerolab.initialize(mlp(), stage=2, reduce_impl="tree"),
         "stage-3 option at stage 1": lambda: zerolab.initialize(mlp(), stage=1, prefetch=False),
         "bad stage-3 value": lambda: zerolab.initialize(mlp(), stage=3, prefetch="yes"),
+        "init_fn, materialized model": lambda: zerolab.initialize(mlp(), stage=3, init_fn=lambda m: None),
+        "init_seed, materialized model": lambda: zerolab.initialize(mlp(), stage=3, init_seed=1),
+        "init_fn not callable": lambda: zerolab.initialize(mlp(), stage=3, init_fn=3),
+        "init_fn at stage 2": lambda: zerolab.initialize(mlp(), stage=2, init_fn=lambda m: None),
     }
     for stage, offload in ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"),
                            (3, "optimizer")):   # a misspelt option, at every stage: never AdamW's TypeError
@@ -103,8 +107,15 @@ def test_initialize_refuses_bad_options_with_a_clear_message(clusters):
         "stage-3 option at stage 1": "unknown option 'prefetch' for stage 1; it is an option of stage 3",
         "bad stage-3 value": "prefetch='yes' is not valid for stage 3: True or False",
         **{f"meta, stage {s} {o}": "materialize the model first, the same way on every rank: "
-                                   "model.to_empty(device='cpu')" for s, o in
-           ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"))},
+                                   "zerolab.meta_init.materialize(model" for s, o in
+           ((0, None), (1, None), (2, None), (1, "optimizer"), (2, "optimizer"))},
+        # stage 3 builds a meta model itself, from each module's reset_parameters() or init_fn
+        **{f"meta, stage 3 {o}": "modules ['(model) (ToyMLP)'] own parameters or buffers but have no "
+                                 "reset_parameters()" for o in (None, "optimizer")},
+        "init_fn, materialized model": "init_fn / init_seed initialize a model built on the meta device",
+        "init_seed, materialized model": "init_fn / init_seed initialize a model built on the meta device",
+        "init_fn not callable": "init_fn=3 is not valid for stage 3",
+        "init_fn at stage 2": "unknown option 'init_fn' for stage 2; it is an option of stage 3",
         **{f"unknown option, stage {s} {o}": "unknown option 'weight_decy'" for s, o in
            ((0, None), (1, None), (2, None), (3, None), (1, "optimizer"), (2, "optimizer"), (3, "optimizer"))},
     }

@@ -45,6 +45,7 @@ from zerolab import activations, checkpoint, comm, mixed_precision
 from zerolab.flat import unique_trainable
 from zerolab.launch import rank_device
 from zerolab.memory import storage_bytes_by_kind
+from zerolab.meta_init import meta_tensors
 from zerolab.mixed_precision import LossScaler
 from zerolab.ring import ring_reduce_scatter
 from zerolab.shard_optim import ShardOptimizer, master_dtype
@@ -139,13 +140,15 @@ def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, redu
     """ValueError naming the first bad value of the options every stage shares."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
-    if on_meta:
-        raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}): "
-                         f"materialize the model first, the same way on every rank: model.to_empty(device='cpu'), "
-                         f"then torch.manual_seed(seed) and each module's reset_parameters() (or your init "
-                         f"function, or model.load_state_dict(state)). zerolab builds every stage, stage 3 "
-                         f"included, from a materialized model")
+    on_meta = meta_tensors(model)
+    if on_meta and stage != 3:
+        raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}) "
+                         f"and stage {stage} keeps every parameter whole on every rank: materialize the model "
+                         f"first, the same way on every rank: zerolab.meta_init.materialize(model, seed=..., "
+                         f"init_fn=...) (stage 3's values), or model.to_empty(device='cpu'), re-tie shared "
+                         f"weights (to_empty unties them) and your own seeded initialization, or "
+                         f"model.load_state_dict(state, assign=True). Stage 3 builds a meta model unit by unit, "
+                         f"never whole")
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
                          f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "

@@ -90,6 +90,19 @@ class TinyGPT(nn.Module):
             if p.dim() >= 2:
                 nn.init.normal_(p, std=0.02 / (math.sqrt(2 * n_layers) if name.endswith("out.weight") else 1))
 
+    def init_module(self, module):
+        """TinyGPT's initialization of ONE module's own parameters, for a model built on the meta
+        device (``zerolab.initialize(model, stage=3, init_fn=model.init_module)``, see
+        :mod:`zerolab.meta_init`): torch's default (``reset_parameters()``), then N(0, 0.02) for every
+        matrix, 0.02/sqrt(2 n_layers) for each block's output projection (GPT-2's scaled init). The
+        distributions of ``__init__``, drawn in another order: other values for the same seed."""
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+        outs = {id(b.out) for b in self.blocks}
+        for p in module.parameters(recurse=False):
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * len(self.blocks)) if id(module) in outs else 1))
+
     def forward(self, idx, targets=None):                   # idx: (B, T) token ids
         T = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))

@@ -45,10 +45,20 @@ def default_units(model):
 
 
 def build_units(model, units, trainable, *, world_size, rank, dtype, persist_numel):
-    """The ZeRO-3 units of ``model``: ``units`` (the modules the user named) or :func:`default_units`,
-    then a ``root`` unit of every trainable parameter in no unit. A weight shared by two DEFAULT units
-    (a tied embedding and head as separate children) goes into the root; shared by two units the
-    user named, it is refused (ValueError). Units of at most ``persist_numel`` elements stay gathered."""
+    """The ZeRO-3 units of ``model`` (:func:`plan_units`), each built: its flat buffer gathered."""
+    return [Unit(i, name, m, ps, world_size=world_size, rank=rank, dtype=dtype, resident=resident, keep=keep)
+            for i, (name, m, ps, resident, keep) in enumerate(plan_units(model, units, trainable,
+                                                                          persist_numel=persist_numel))]
+
+
+def plan_units(model, units, trainable, *, persist_numel):
+    """How ``model`` is cut, before any unit is built: [(name, module, params, resident, keep)], one
+    per unit in build order. ``units`` (the modules the user named) or :func:`default_units`, then a
+    ``root`` unit (first) of every trainable parameter in no unit. A weight shared by two DEFAULT
+    units (a tied embedding and head as separate children) goes into the root; shared by two units
+    the user named, it is refused (ValueError). Units of at most ``persist_numel`` elements stay
+    gathered (``keep``); the root is gathered for the whole step (``resident``). Reads only shapes:
+    works on a model on the meta device."""
     modules = default_units(model) if units is None else list(units)
     names = {id(m): n for n, m in model.named_modules()}
     owner, chosen = {}, []
@@ -80,10 +90,8 @@ def build_units(model, units, trainable, *, world_size, rank, dtype, persist_num
     root = [p for p in trainable if id(p) not in owner]
     if root:
         chosen.insert(0, ("root", None, root))
-    return [Unit(i, name, m, ps, world_size=world_size, rank=rank, dtype=dtype,
-                 resident=m is None or sum(p.numel() for p in ps) <= persist_numel,
-                 keep=sum(p.numel() for p in ps) <= persist_numel)
-            for i, (name, m, ps) in enumerate(chosen)]
+    return [(name, m, ps, m is None or sum(p.numel() for p in ps) <= persist_numel,
+             sum(p.numel() for p in ps) <= persist_numel) for name, m, ps in chosen]
 
 
 def module_name(model, module):

@@ -37,7 +37,9 @@ import torch.utils._pytree as pytree
 from zerolab import comm, engine
 from zerolab.engine import Option, OwnedGrads, ShardedEngine, is_count, is_flag
 from zerolab.shard_optim import master_dtype
-from zerolab.units import FREE, GATHERING, READY, ForeignUseCheck, build_units
+from zerolab.launch import rank_device
+from zerolab.meta_init import Materializer, check_agreement, digest, meta_tensors
+from zerolab.units import FREE, GATHERING, READY, ForeignUseCheck, Unit, plan_units
 
 PRIMITIVES = ("gather", "free", "reduce_scatter_grads", "register_pre_backward")
 
@@ -98,19 +100,45 @@ class Zero3Engine(ShardedEngine):
                "prefetch": Option(True, "True or False", is_flag),
                "persist_numel": Option(0, "an int >= 0 (units of at most this many elements stay gathered)",
                                        is_count),
-               "ops": Option(None, f"None or an object with {', '.join(PRIMITIVES)}", _is_ops)}
+               "ops": Option(None, f"None or an object with {', '.join(PRIMITIVES)}", _is_ops),
+               "init_fn": Option(None, "None (each module's reset_parameters()) or a callable(module): a meta-"
+                                       "device model's initialization", lambda v: v is None or callable(v)),
+               "init_seed": Option(None, "None (0) or an int: the seed of a meta-device model's initialization",
+                                   lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)))}
 
-    def __init__(self, module, *, units=None, prefetch=True, persist_numel=0, ops=None, **common):
+    def __init__(self, module, *, units=None, prefetch=True, persist_numel=0, ops=None, init_fn=None,
+                 init_seed=None, **common):
+        on_meta = meta_tensors(module)
+        if not on_meta and (init_fn is not None or init_seed is not None):
+            raise ValueError("init_fn / init_seed initialize a model built on the meta device; this model is "
+                             "materialized already (its values are used as they are)")
         super().__init__(module, **common)
         self.prefetch, self.persist_numel = prefetch, persist_numel
         self._ops, self.memory_trace = ops or sys.modules[__name__], []
         trainable = self._prepare()
-        originals = {id(p): p.detach() for p in trainable}      # exact values, before any cast
-        self.units = build_units(module, units, trainable, world_size=self.world_size, rank=self.rank,
-                                 dtype=self.compute_dtype, persist_numel=persist_numel)
-        init = None
-        if master_dtype(self.compute_dtype) != self.compute_dtype:   # bf16: fp32 master from originals
-            init = [u.flat.shard_from([originals[id(p)] for p in u.flat.params], torch.float32) for u in self.units]
+        plan = plan_units(module, units, trainable, persist_numel=persist_numel)
+        meta = Materializer(module, device=rank_device(), seed=init_seed or 0, init_fn=init_fn) if on_meta else None
+        mixed = master_dtype(self.compute_dtype) != self.compute_dtype
+        self.units, init, digests = [], [] if mixed else None, []
+        for i, (name, m, ps, resident, keep) in enumerate(plan):    # one unit at a time, then freed
+            if meta is not None:
+                meta.materialize(ps)                  # a meta model: only this unit's modules exist now
+            originals = [p.detach() for p in ps]      # exact values, before any cast
+            u = Unit(i, name, m, ps, world_size=self.world_size, rank=self.rank, dtype=self.compute_dtype,
+                     resident=resident, keep=keep)
+            if mixed:                                 # bf16: the fp32 master shard from the originals
+                init.append(u.flat.shard_from(originals, torch.float32))
+            if meta is not None:
+                digests.append(digest(originals))     # checked below: every rank built the same values
+            del originals                             # only the flat buffer holds the unit now
+            self.units.append(u)
+            self._free(u)                             # resting state: shards only
+        if meta is not None:                          # buffers, frozen parameters: whole on every rank
+            meta.rest()
+            whole = [(n, t) for n, t in module.named_parameters() if not t.requires_grad]
+            whole += list(module.named_buffers())
+            check_agreement(digests + [digest([t]) for _, t in whole],
+                            [u.name for u in self.units] + [n for n, _ in whole], group=self.group)
         self.shard_optim = self._make_shard_optimizer([u.shard for u in self.units], init)
         self.optimizer = self.shard_optim.optimizer
         # This rank's averaged gradient shard per unit (2Ψ/N bytes in bf16): created as the unit's
@@ -124,7 +152,6 @@ class Zero3Engine(ShardedEngine):
             if not u.resident:
                 u.module.register_forward_pre_hook(self._pre_forward_hook(u))
                 u.module.register_forward_hook(self._post_forward_hook(u))
-            self._free(u)                                         # resting state: shards only
         module.register_forward_pre_hook(self._guard)
         self._in_forward, self._in_backward, self._inflight, self._fwd, self._bwd = False, False, [], [], []
         self.phase = "forward"        # what the next gathers serve: "forward", or "backward" once forward ran
