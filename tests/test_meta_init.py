@@ -163,3 +163,32 @@ def test_materialize_gives_stage_3_values_to_stages_0_to_2():
     want = by_hand(torch.float64, seed=3, **KW).state_dict()
     got = model.state_dict()
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _fully_shard_meta(meta):
+    """fully_shard (FSDP2's per-parameter layout) of a meta model: every parameter's whole value
+    after construction, and the construction's allocation peak, as in _construction."""
+    kw = dict(KW, n_layers=8, d_model=64)
+    with memory.allocation_trace() as trace:
+        if meta:
+            with torch.device("meta"):
+                model = models.TinyGPT(**kw).to(torch.float64)
+            sharded = zerolab.fully_shard(model, init_fn=model.init_module, init_seed=2)
+        else:
+            sharded = zerolab.fully_shard(models.build("gpt", seed=0, dtype=torch.float64, **kw))
+    whole = sum(s.rows * s.row_numel for u in sharded.units for s in u.params) * 8
+    unit = max(u.full.numel() for u in sharded.units) * 8
+    shards = sum(s.shard.numel() for u in sharded.units for s in u.params) * 8
+    return trace["peak"], whole, unit, shards, sharded.full_state_dict()
+
+
+def test_fully_shard_builds_a_meta_model_unit_by_unit(clusters):
+    kw = dict(KW, n_layers=8, d_model=64, seed=2)
+    want = {k: v.detach() for k, v in by_hand(torch.float64, **kw).named_parameters(remove_duplicate=False)}
+    c = clusters(2)
+    for rank, (peak, whole, unit, shards, state) in enumerate(c.run(_fully_shard_meta, True)):
+        assert_params([state], want, f"rank {rank}, fully_shard of a meta model", exact=True)
+        assert peak <= shards + 2 * unit + 16384, f"rank {rank}: peaked at {peak} B (shards {shards}, unit {unit})"
+        assert peak < 0.8 * whole, f"rank {rank}: peaked at {peak} B, the model is {whole} B"
+    for rank, (peak, whole, *_) in enumerate(c.run(_fully_shard_meta, False)):
+        assert peak >= whole, f"rank {rank}: built whole, the peak {peak} B is below the model's {whole} B"

@@ -48,6 +48,8 @@ import torch.nn.functional as F
 
 from zerolab import comm, engine, mixed_precision
 from zerolab.engine import OwnedGrads, cast_floats, check_same_model
+from zerolab.launch import rank_device
+from zerolab.meta_init import Materializer, check_agreement, digest, meta_tensors
 from zerolab.shard_optim import master_dtype
 from zerolab.units import assign_params, module_name
 from zerolab.zero3 import register_pre_backward
@@ -133,20 +135,27 @@ class FullyShardedModule(nn.Module):
     """What :func:`fully_shard` returns. ``module``: the wrapped model (its parameters are the
     shards at rest); ``units``; ``replicated``: trainable parameters left whole."""
 
-    def __init__(self, module, *, param_dtype, reduce_dtype, units, reshard_after_forward, group):
+    def __init__(self, module, *, param_dtype, reduce_dtype, units, reshard_after_forward, group,
+                 init_fn=None, init_seed=None):
         super().__init__()
         self.module, self.group, self.reshard_after_forward = module, group, reshard_after_forward
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reduce_impl = engine.default_reduce_impl(group)
         owners, self.replicated, frozen = assign_params(module, units)
+        meta = Materializer(module, device=rank_device(), seed=init_seed or 0, init_fn=init_fn) \
+            if meta_tensors(module) else None
+        digests = []
         stray = {id(p) for p in self.replicated if p.dim() > 0 and param_dtype not in (None, p.dtype)}
         if stray:                                # they would compute in their dtype, the rest in param_dtype
             names = [n for n, p in module.named_parameters() if id(p) in stray]
             raise ValueError(f"param_dtype={param_dtype} but {names[:4]} stay whole in their own dtype (in no "
                              f"unit): put them in a unit (add the model itself to units: the root)")
         self.units = []
-        for unit_module, params in owners.items():
+        for unit_module, params in owners.items():                        # one unit at a time
+            if meta is not None:              # a meta model: only this unit's modules get memory now
+                meta.materialize([p for p, _ in params])
+                digests.append(digest([p for p, _ in params]))
             dtypes = {p.dtype for p, _ in params}
             if param_dtype is None and len(dtypes) > 1:
                 raise ValueError(f"unit {module_name(module, unit_module)!r} has parameters of several "
@@ -156,6 +165,15 @@ class FullyShardedModule(nn.Module):
             for s in sharded:
                 s.install(s.shard)                                     # at rest: the shards
             self.units.append(_Unit(module_name(module, unit_module), unit_module, sharded))
+            self._free(self.units[-1])                                 # at rest: the shards only
+            owners[unit_module] = None        # drop the whole parameters: the shards replace them
+        if meta is not None:                  # whole on every rank: replicated, frozen, buffers
+            meta.rest()
+            shards = {id(s.shard) for u in self.units for s in u.params}
+            whole = [(n, t) for n, t in module.named_parameters() if id(t) not in shards]
+            whole += list(module.named_buffers())
+            check_agreement(digests + [digest([t]) for _, t in whole],
+                            [u.name for u in self.units] + [n for n, _ in whole], group=group)
         with torch.no_grad():
             for t in frozen + list(module.buffers()):
                 if param_dtype is not None and t.is_floating_point():
@@ -168,7 +186,6 @@ class FullyShardedModule(nn.Module):
             if u is not self._root:
                 u.module.register_forward_pre_hook(self._pre_forward(u))
                 u.module.register_forward_hook(self._post_forward(u))
-            self._free(u)
         module.register_forward_pre_hook(self._root_pre_forward)
         module.register_forward_hook(self._root_post_forward)
         self._inflight, self._pending, self._queued = [], False, False
@@ -361,12 +378,14 @@ class FullyShardedModule(nn.Module):
 
 
 def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, reshard_after_forward=True,
-                group=None):
+                group=None, init_fn=None, init_seed=None):
     """Shard ``model``'s parameters along dim 0 over ``group`` (see the module docstring) and return
     the :class:`FullyShardedModule` wrapping it. ``param_dtype``: compute dtype (the shards, i.e.
     the masters, keep theirs); ``reduce_dtype``: gradient reduction dtype (default the compute
     dtype); ``units``: modules gathered one at a time (the model itself = the root); every rank
-    must call it with the same model (checked)."""
+    must call it with the same model (checked). A model built on the meta device is materialized
+    one unit at a time, never whole (``init_fn``, ``init_seed``: :mod:`zerolab.meta_init`; FSDP2
+    gets there with ``to_empty`` + ``reset_parameters()`` after ``fully_shard``)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not dist.is_initialized():
@@ -384,9 +403,17 @@ def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, resha
         raise ValueError(f"parameters must be floating point; not so: {bad}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    if init_fn is not None and not callable(init_fn):
+        raise ValueError(f"init_fn must be None or a callable(module), got {init_fn!r}")
+    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+        raise ValueError(f"init_seed must be None or an int, got {init_seed!r}")
+    if not meta_tensors(model) and (init_fn is not None or init_seed is not None):
+        raise ValueError("init_fn / init_seed initialize a model built on the meta device; this model is "
+                         "materialized already (its values are used as they are)")
     check_same_model(model, group)
     return FullyShardedModule(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype, units=units,
-                              reshard_after_forward=reshard_after_forward, group=group)
+                              reshard_after_forward=reshard_after_forward, group=group, init_fn=init_fn,
+                              init_seed=init_seed)
 
 
 def clip_grad_norm_(model, max_norm, norm_type=2.0):

@@ -25,6 +25,11 @@ until backward; resizing the one shared storage frees it, and re-gathering into 
 makes those saved views valid again (FSDP1's mechanism). Frozen parameters are not sharded (no
 grads, no optimizer state): every rank keeps them whole, counted in the memory report.
 
+A model built on the meta device (shapes, no memory) is materialized one unit at a time: each
+unit's modules get memory and values (``init_fn``, ``init_seed``: :mod:`zerolab.meta_init`), the
+unit is packed and sharded, its full buffer freed, before the next unit: no rank holds the whole
+model, as with DeepSpeed's ``zero.Init`` and FSDP2's meta-device initialization.
+
 The gather/free/reduce-scatter/pre-backward primitives are module-level functions (exercise 05)
 that the engine calls through ``ops``; pass ``ops=`` to run it on your own.
 """
@@ -86,7 +91,8 @@ class Zero3Engine(ShardedEngine):
     """Stage 3 of ``zerolab.initialize``. Options (keyword arguments of ``initialize``):
     ``units`` (modules to shard one by one), ``prefetch`` (start the next unit's all-gather early,
     default True), ``persist_numel`` (units this small stay gathered, default 0), ``ops`` (an
-    object with gather/free/reduce_scatter_grads/register_pre_backward: your exercise 05).
+    object with gather/free/reduce_scatter_grads/register_pre_backward: your exercise 05),
+    ``init_fn`` and ``init_seed`` (a model on the meta device: :mod:`zerolab.meta_init`).
     Call the engine, not the module: its hooks gather parameters only inside ``engine(...)``;
     gradient accumulation: repeated ``backward()`` adds each reduce-scattered shard (``no_sync``
     changes nothing at stage 3: keeping full gradients would undo the partitioning).
