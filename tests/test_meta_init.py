@@ -4,6 +4,7 @@ rule (written out here, not zerolab's function), training from them equals the s
 float64 reference, construction never holds the whole model (torch's allocator events, measured),
 and a non-deterministic init is refused on every rank, naming the unit."""
 import hashlib
+import math
 
 import pytest
 import torch
@@ -25,18 +26,35 @@ def _seed(seed, name):
     return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest(), "big") >> 1
 
 
-def by_hand(dtype, seed=0, **kw):
-    """The whole model, one process: built on the meta device, ``to_empty`` (which unties the head:
-    tie it again), then each module that owns tensors initialized under its seed, in model order."""
+def _init_gpt(model, m):
+    """TinyGPT's initialization of module ``m``'s own tensors, as its docstring states it: torch's
+    default, then N(0, 0.02) for matrices, 0.02/sqrt(2 n_layers) for each block's ``out``."""
+    if hasattr(m, "reset_parameters"):
+        m.reset_parameters()
+    scaled = {id(b.out) for b in model.blocks}
+    for p in m.parameters(recurse=False):
+        if p.dim() >= 2:
+            torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * len(model.blocks)) if id(m) in scaled else 1))
+
+
+def by_hand(dtype, seed=0, *, make=None, init=None, **kw):
+    """The whole model, one process: built on the meta device (TinyGPT(**kw), or ``make()``),
+    ``to_empty`` (which unties the head: tie it again), then each module that owns tensors
+    initialized under its seed, in model order (``init(model, module)``, default TinyGPT's rule;
+    ``init=False``: each module's reset_parameters)."""
     with torch.device("meta"):
-        model = models.TinyGPT(**kw).to(dtype)
+        model = (make() if make is not None else models.TinyGPT(**kw)).to(dtype)
     model.to_empty(device="cpu")
-    model.head.weight = model.tok.weight
+    if make is None:
+        model.head.weight = model.tok.weight
     for name, m in model.named_modules():
         if list(m.parameters(recurse=False)) or list(m.buffers(recurse=False)):
             with torch.random.fork_rng(devices=[]), torch.no_grad():
                 torch.manual_seed(_seed(seed, name))
-                model.init_module(m)
+                if init is False:
+                    m.reset_parameters()
+                else:
+                    (init or _init_gpt)(model, m)
     return model
 
 
@@ -62,6 +80,7 @@ CASES = {   # label: (ranks, steps, options)
     "offload": (2, 3, dict(offload="optimizer")),
     "bf16 mixed precision: fp32 masters from the fp32 init": (2, 0, dict(dtype=torch.float32,
                                                                          param_dtype=torch.bfloat16)),
+    "HSDP, mesh (2, 2)": (4, 2, dict(mesh=(2, 2))),
 }
 
 
@@ -192,3 +211,81 @@ def test_fully_shard_builds_a_meta_model_unit_by_unit(clusters):
         assert peak < 0.8 * whole, f"rank {rank}: peaked at {peak} B, the model is {whole} B"
     for rank, (peak, whole, *_) in enumerate(c.run(_fully_shard_meta, False)):
         assert peak >= whole, f"rank {rank}: built whole, the peak {peak} B is below the model's {whole} B"
+
+
+class Net(torch.nn.Module):
+    """Buffers (BatchNorm's running statistics and an int64 counter), a frozen layer, two units."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.norm = torch.nn.BatchNorm1d(6)
+        self.frozen = torch.nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.b = torch.nn.Linear(6, 3)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.b(self.frozen(self.norm(self.a(x)))), y)
+
+
+def _net_bf16():
+    with torch.device("meta"):
+        model = Net()
+    engine = zerolab.initialize(model, stage=3, lr=LR, param_dtype=torch.bfloat16)
+    whole = {n: t.clone() for n, t in list(model.named_buffers()) + [(n, p) for n, p in model.named_parameters()
+                                                                     if not p.requires_grad]}
+    return engine.full_state_dict(), whole
+
+
+def test_buffers_and_frozen_layers_drawn_in_the_models_dtype_then_cast(clusters):
+    """A meta fp32 model at stage 3 with param_dtype=bf16: fp32 masters of the trainable
+    parameters, and buffers / frozen parameters drawn in fp32 then cast (as a model built whole)."""
+    want = by_hand(torch.float32, make=Net, init=False)
+    for rank, (state, whole) in enumerate(clusters(2).run(_net_bf16)):
+        trained = {n: p.detach() for n, p in want.named_parameters() if p.requires_grad}
+        assert_params([{k: state[k] for k in trained}], trained, f"rank {rank}, fp32 masters", exact=True)
+        cast = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t)
+                for n, t in list(want.named_buffers()) + [(n, p.detach()) for n, p in want.named_parameters()
+                                                          if not p.requires_grad]}
+        assert_params([whole], cast, f"rank {rank}, buffers and frozen", exact=True)
+
+
+def test_materialize_refuses_what_would_be_silently_wrong():
+    """One process (zerolab.meta_init.materialize): a module half on the meta device; an init_fn that
+    writes a submodule's (possibly sharded) tensors; a buffer the init never fills. A model partly on
+    the meta device keeps its materialized modules' values."""
+    from zerolab.meta_init import Materializer, materialize
+    with torch.device("meta"):
+        half = torch.nn.Linear(2, 2)
+    half.weight = torch.nn.Parameter(torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"modules \['\(model\)'\] hold both meta and materialized"):
+        materialize(half)
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(2))
+            self.child = torch.nn.Linear(2, 2)
+    with torch.device("meta"):
+        parent = Parent()
+    recursive = lambda m: [torch.nn.init.zeros_(p) for p in m.parameters()]     # recurse=True: wrong
+    built = Materializer(parent, device="cpu", init_fn=recursive)
+    built.materialize(list(parent.child.parameters()))                          # the child first (a unit)
+    with pytest.raises(ValueError, match=r"initializing \(model\) wrote its submodules' tensors \['child.weight'"):
+        built.rest()
+
+    class Masked(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(2, 2)
+            self.register_buffer("mask", torch.ones(2))                        # not in reset_parameters
+    with torch.device("meta"):
+        masked = Masked()
+    with pytest.raises(ValueError, match=r"\(model\): \['mask'\] still hold NaN after initialization"):
+        materialize(masked)
+
+    with torch.device("meta"):
+        partly = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    partly[0] = torch.nn.Linear(2, 2)
+    torch.nn.init.constant_(partly[0].weight, 7.0)
+    materialize(partly)
+    assert torch.equal(partly[0].weight, torch.full((2, 2), 7.0)) and not partly[1].weight.is_meta

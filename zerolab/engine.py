@@ -145,10 +145,10 @@ def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, redu
         raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}) "
                          f"and stage {stage} keeps every parameter whole on every rank: materialize the model "
                          f"first, the same way on every rank: zerolab.meta_init.materialize(model, seed=..., "
-                         f"init_fn=...) (stage 3's values), or model.to_empty(device='cpu'), re-tie shared "
-                         f"weights (to_empty unties them) and your own seeded initialization, or "
-                         f"model.load_state_dict(state, assign=True). Stage 3 builds a meta model unit by unit, "
-                         f"never whole")
+                         f"init_fn=...) (stage 3's values), or model.to_empty(device='cpu') and your own "
+                         f"seeded initialization, or model.load_state_dict(state, assign=True); re-tie shared "
+                         f"weights after to_empty or assign (both untie them). Stage 3 builds a meta model "
+                         f"unit by unit, never whole")
     if isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer class such as torch.optim.AdamW, not an "
                          f"instance ({type(optimizer).__name__}): the engine builds it over what this rank "
@@ -614,12 +614,18 @@ class ShardedEngine(Engine):
                              f"pass param_dtype to train them in one")
         self.compute_dtype = self.param_dtype or self.trainable[0].dtype
         self.reduce_dtype = self.reduce_dtype or self.compute_dtype    # gradients are reduced in it
-        with torch.no_grad():
-            for t in self.frozen + list(self.module.buffers()):
-                if t.is_floating_point():
-                    t.data = t.data.to(self.compute_dtype)   # frozen: replicated, no grads, no state
+        self._cast_whole()
         self._sync = True
         return self.trainable
+
+    def _cast_whole(self):
+        """Frozen parameters and floating buffers, replicated, no grads, no state: in the compute
+        dtype. Those still on the meta device wait (stage 3 casts them once materialized: a value
+        is drawn in the model's dtype, then cast, as for a model built whole)."""
+        with torch.no_grad():
+            for t in self.frozen + list(self.module.buffers()):
+                if t.is_floating_point() and not t.is_meta:
+                    t.data = t.data.to(self.compute_dtype)
 
     def _make_shard_optimizer(self, shards, init):
         """The optimizer over this rank's shard(s): fp32 master (``init``: exact initial values, or None)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from zerolab import comm, engine, mixed_precision
 from zerolab.engine import OwnedGrads, cast_floats, check_same_model
 from zerolab.launch import rank_device
-from zerolab.meta_init import Materializer, check_agreement, digest, meta_tensors
+from zerolab.meta_init import Materializer, check_agreement, check_init_options, digest, meta_tensors
 from zerolab.shard_optim import master_dtype
 from zerolab.units import assign_params, module_name
 from zerolab.zero3 import register_pre_backward
@@ -167,6 +167,7 @@ class FullyShardedModule(nn.Module):
             self.units.append(_Unit(module_name(module, unit_module), unit_module, sharded))
             self._free(self.units[-1])                                 # at rest: the shards only
             owners[unit_module] = None        # drop the whole parameters: the shards replace them
+        params = sharded = None               # the last unit's whole parameters, too
         if meta is not None:                  # whole on every rank: replicated, frozen, buffers
             meta.rest()
             shards = {id(s.shard) for u in self.units for s in u.params}
@@ -403,13 +404,7 @@ def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, resha
         raise ValueError(f"parameters must be floating point; not so: {bad}")
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError("the model has no trainable parameters (all requires_grad=False)")
-    if init_fn is not None and not callable(init_fn):
-        raise ValueError(f"init_fn must be None or a callable(module), got {init_fn!r}")
-    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
-        raise ValueError(f"init_seed must be None or an int, got {init_seed!r}")
-    if not meta_tensors(model) and (init_fn is not None or init_seed is not None):
-        raise ValueError("init_fn / init_seed initialize a model built on the meta device; this model is "
-                         "materialized already (its values are used as they are)")
+    check_init_options(model, init_fn, init_seed)
     check_same_model(model, group)
     return FullyShardedModule(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype, units=units,
                               reshard_after_forward=reshard_after_forward, group=group, init_fn=init_fn,

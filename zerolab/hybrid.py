@@ -151,6 +151,11 @@ class HybridEngine(Zero3Engine):
             group = self.mesh.intra                       # HSDP: shard inside the node only
         super().__init__(module, ops=HybridOps(self) if self.hybrid else ops, group=group, **options)
 
+    def replica_group(self):
+        """HSDP shards inside a node (``self.group``) and replicates across nodes: every rank of the
+        mesh holds the same model."""
+        return None if self.mesh is not None else self.group
+
     # -- hpZ: the secondary partition (ZeRO++ Sec. 3.2) -------------------------------------------
     def keep_secondary(self, unit):
         """After forward's all-gather of ``unit``: copy this rank's 1/p slice of it (its node's

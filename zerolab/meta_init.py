@@ -12,25 +12,30 @@ tensors, then its flat buffer). The production systems:
 
 - DeepSpeed's ``zero.Init`` works at construction time, module by module: each parameter is
   created whole, **broadcast from rank 0** and partitioned (``partition_parameters.Init``,
-  ``_zero_init_param``), so any initialization works, at Ψ bytes on the wire.
+  ``_zero_init_param``), so any initialization works, at Ψ elements on the wire (2Ψ bytes in
+  bf16).
 - FSDP2 shards the meta model first; then ``model.to_empty(device=...)`` gives each rank only its
-  shards and ``reset_parameters()`` fills them (on CUDA, DTensor's random ops keep the sharded
-  values consistent with an unsharded initialization).
+  shards and ``reset_parameters()`` fills them. On CUDA, DTensor's random ops start each shard at
+  its own offset of one RNG stream: replicas agree, shards differ, and the values depend on the
+  mesh (they are not a single-device initialization's).
 
 Here each rank computes the same values on its own, with no communication: module ``name`` is
 initialized by ``init_fn(module)`` (default: the module's own ``reset_parameters()``) under
-``torch.manual_seed(module_seed(seed, name))``. A module's values depend on the seed and its name
-only, not on how the model is cut into units, the order they are built in or N, and one process
-reproduces them: :func:`materialize` does the whole model (the reference, and the way to give a
-meta model to stages 0-2). That every rank got the same values is checked, not assumed: one
-all-reduce over a digest of each unit (:func:`check_agreement`), naming the unit that differs (an
-``init_fn`` that is not deterministic).
+``torch.manual_seed(module_seed(seed, name))``. A module's values depend on the seed, its name,
+the device type and the dtype only, not on how the model is cut into units, the order they are
+built in or N, and one process reproduces them: :func:`materialize` does the whole model (the
+reference, and the way to give a meta model to stages 0-2). That every rank got the same values
+is checked, not assumed: one all-reduce over a digest of each unit (:func:`check_agreement`),
+naming the unit that differs.
 
 ``init_fn(module)`` initializes the module's OWN parameters and buffers (``recurse=False``) in
-place, called once per module that owns any. A weight owned by two modules (a tied embedding and
-head) is allocated once and initialized by each: the one later in ``model.named_modules()`` wins.
-Buffers computed in a module's ``__init__`` (a causal mask) are lost on the meta device: their
-module's ``reset_parameters`` or ``init_fn`` must recompute them, as with FSDP2.
+place, once per module that owns a meta tensor; it must not write its submodules' tensors
+(refused, naming them: a submodule may already be sharded). Tensors are filled with NaN before
+it runs, and a floating tensor it leaves unfilled is refused, naming it: a buffer computed in
+``__init__`` (a causal mask) is lost on the meta device, and its module's ``reset_parameters`` or
+``init_fn`` must recompute it, as with FSDP2. Modules that share a tensor (a tied embedding and
+head) are initialized together, in ``model.named_modules()`` order: the later one's values win.
+A module that mixes meta and materialized tensors is refused.
 """
 import hashlib
 
@@ -62,25 +67,37 @@ def digest(tensors):
     return int.from_bytes(h.digest(), "big") >> 1
 
 
+def check_init_options(model, init_fn, init_seed):
+    """The meta-device options, checked once for every entry point: returns the names of
+    ``model``'s meta tensors (empty: a materialized model), or raises ValueError naming the bad value."""
+    if init_fn is not None and not callable(init_fn):
+        raise ValueError(f"init_fn must be None or a callable(module), got {init_fn!r}")
+    if init_seed is not None and (isinstance(init_seed, bool) or not isinstance(init_seed, int)):
+        raise ValueError(f"init_seed must be None or an int, got {init_seed!r}")
+    on_meta = meta_tensors(model)
+    if not on_meta and (init_fn is not None or init_seed is not None):
+        raise ValueError("init_fn / init_seed initialize a model built on the meta device; this model is "
+                         "materialized already (its values are used as they are)")
+    return on_meta
+
+
+def _own(m):
+    return [(k, t) for k, t in list(m._parameters.items()) + list(m._buffers.items()) if t is not None]
+
+
 class Materializer:
     """Materializes a meta-device ``model`` a few modules at a time, on ``device``, with the values
     of :func:`module_seed` / ``init_fn`` (see the module docstring). Each module is materialized
-    once, all its own tensors together."""
+    once, all its own tensors together, with every module it shares a tensor with."""
 
     def __init__(self, model, *, device, seed=0, init_fn=None):
-        if init_fn is not None and not callable(init_fn):
-            raise ValueError(f"init_fn must be a callable(module) or None, got {init_fn!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"init_seed must be an int, got {seed!r}")
-        self.device, self.seed, self.init_fn = torch.device(device), seed, init_fn
-        self.modules = [(name, m) for name, m in model.named_modules()
-                        if any(t is not None for t in list(m._parameters.values()) + list(m._buffers.values()))]
-        self.owners = {}                     # id(tensor) -> the modules owning it directly
-        for name, m in self.modules:
-            for t in list(m._parameters.values()) + list(m._buffers.values()):
-                if t is not None:
-                    self.owners.setdefault(id(t), []).append(m)
-        self.done, self.buffers = set(), {}  # materialized modules; id(meta buffer) -> its new tensor
+        check_init_options(model, init_fn, seed)
+        self.device, self.seed, self.init_fn = torch.device(device), seed or 0, init_fn
+        self.modules = [(name, m) for name, m in model.named_modules() if any(t.is_meta for _, t in _own(m))]
+        mixed = [name or "(model)" for name, m in self.modules if not all(t.is_meta for _, t in _own(m))]
+        if mixed:
+            raise ValueError(f"modules {mixed[:5]} hold both meta and materialized tensors: build a module "
+                             f"wholly on the meta device, or materialize it wholly before")
         if init_fn is None:                  # refuse before anything is allocated, naming each module
             bad = [f"{name or '(model)'} ({type(m).__name__})" for name, m in self.modules
                    if not callable(getattr(m, "reset_parameters", None))]
@@ -89,13 +106,24 @@ class Materializer:
                                  f"on the meta device their values must come from somewhere. Pass "
                                  f"init_fn=fn, where fn(module) initializes a module's own tensors in place "
                                  f"(e.g. init_fn=model.init_module for zerolab.models.TinyGPT)")
+        self.owners = {}                     # id(tensor) -> the modules owning it directly
+        for _, m in self.modules:
+            for _, t in _own(m):
+                self.owners.setdefault(id(t), []).append(m)
+        self.done, self.buffers = set(), {}  # materialized modules; id(meta buffer) -> its new tensor
 
     def materialize(self, tensors):
-        """Materialize every module that directly owns one of ``tensors`` and is not done yet, in
-        model order: afterwards none of ``tensors`` is on the meta device."""
-        wanted = {id(m) for t in tensors for m in self.owners.get(id(t), [])}
+        """Materialize every module that directly owns one of ``tensors``, and every module sharing a
+        tensor with those, not done yet, in model order: afterwards none of ``tensors`` is on the
+        meta device."""
+        wanted, todo = set(), [m for t in tensors for m in self.owners.get(id(t), [])]
+        while todo:                          # modules connected by shared tensors: one group
+            m = todo.pop()
+            if id(m) not in wanted and id(m) not in self.done:
+                wanted.add(id(m))
+                todo += [o for _, t in _own(m) for o in self.owners.get(id(t), [])]
         for name, m in self.modules:
-            if id(m) in wanted and id(m) not in self.done:
+            if id(m) in wanted:
                 self._one(name, m)
 
     def rest(self):
@@ -105,30 +133,58 @@ class Materializer:
                 self._one(name, m)
 
     def _one(self, name, m):
-        for p in m._parameters.values():
-            if p is not None and p.is_meta:           # tied: a co-owner may have allocated it already
-                new = torch.nn.Parameter(torch.empty_like(p, device=self.device), requires_grad=p.requires_grad)
+        label = name or "(model)"
+        for key, p in m._parameters.items():
+            if p is not None and p.is_meta:           # shared: a co-owner may have allocated it already
+                if type(p) is not torch.nn.Parameter:
+                    raise ValueError(f"parameter {key!r} of {label} is a {type(p).__name__}: meta-device "
+                                     f"initialization supports plain torch.nn.Parameter")
+                new = torch.nn.Parameter(_unfilled(p, self.device), requires_grad=p.requires_grad)
                 new.__dict__.update(p.__dict__)       # attributes set on it survive the swap
-                torch.utils.swap_tensors(p, new)      # the same Parameter object, now with memory
+                try:
+                    torch.utils.swap_tensors(p, new)  # the same Parameter object, now with memory
+                except RuntimeError as exc:
+                    raise ValueError(f"parameter {key!r} of {label} cannot be given memory in place "
+                                     f"(torch.utils.swap_tensors: {exc})") from None
         for key, b in m._buffers.items():
             if b is not None and b.is_meta:
-                m._buffers[key] = self.buffers.setdefault(id(b), torch.empty_like(b, device=self.device))
-        init = self.init_fn or m.reset_parameters
+                if id(b) not in self.buffers:
+                    self.buffers[id(b)] = _unfilled(b, self.device)
+                m._buffers[key] = self.buffers[id(b)]
+        inner = [(f"{sub}.{k}", t) for sub, child in m.named_modules() if child is not m
+                 for k, t in _own(child) if not t.is_meta]
+        versions = [t._version for _, t in inner]
         devices = [self.device.index or 0] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(module_seed(self.seed, name))
             if self.init_fn is not None:
-                init(m)
+                self.init_fn(m)
             else:
-                init()
+                m.reset_parameters()
+        touched = [n for (n, t), v in zip(inner, versions) if t._version != v]
+        if touched:
+            raise ValueError(f"initializing {label} wrote its submodules' tensors {touched[:5]}: init_fn "
+                             f"must initialize only the module's own tensors (recurse=False); each "
+                             f"submodule gets its own call")
+        unfilled = [k for k, t in _own(m) if t.is_floating_point() and bool(torch.isnan(t).any())]
+        if unfilled:
+            raise ValueError(f"{label}: {unfilled} still hold NaN after initialization (reset_parameters or "
+                             f"init_fn did not fill them): on the meta device a value computed in __init__ "
+                             f"is lost; recompute it in reset_parameters or init_fn")
         self.done.add(id(m))
 
 
-def materialize(model, *, seed=0, init_fn=None, device="cpu"):
+def _unfilled(t, device):
+    """Memory for meta tensor ``t``: NaN where floating (an init that skips it is caught), else zeros."""
+    return torch.full(t.shape, float("nan") if t.is_floating_point() else 0, dtype=t.dtype, device=device)
+
+
+def materialize(model, *, seed=0, init_fn=None, device=None):
     """Materialize a whole meta-device ``model`` in place with the values stage 3 builds unit by
-    unit (same ``seed`` and ``init_fn``): for stages 0-2, which keep every parameter whole anyway,
-    and as a single-process reference. Returns ``model``."""
-    m = Materializer(model, device=device, seed=seed, init_fn=init_fn)
+    unit (same ``seed``, ``init_fn`` and device type: default this rank's device,
+    :func:`zerolab.rank_device`): for stages 0-2, which keep every parameter whole anyway, and as a
+    single-process reference. Returns ``model``."""
+    m = Materializer(model, device=device or rank_device(), seed=seed, init_fn=init_fn)
     m.rest()
     return model
 
@@ -145,4 +201,5 @@ def check_agreement(digests, names, group=None):
         raise ValueError(f"ranks initialized different values for {differ[:5]}: init_fn must compute the "
                          f"same values on every rank from torch's global RNG (seeded per module) or from "
                          f"constants; other random sources (numpy, Python's random, a rank-dependent "
-                         f"value) differ across ranks")
+                         f"value) differ across ranks, and so do random draws on different device types "
+                         f"or GPU models")

@@ -43,7 +43,7 @@ from zerolab import comm, engine
 from zerolab.engine import Option, OwnedGrads, ShardedEngine, is_count, is_flag
 from zerolab.shard_optim import master_dtype
 from zerolab.launch import rank_device
-from zerolab.meta_init import Materializer, check_agreement, digest, meta_tensors
+from zerolab.meta_init import Materializer, check_agreement, check_init_options, digest
 from zerolab.units import FREE, GATHERING, READY, ForeignUseCheck, Unit, plan_units
 
 PRIMITIVES = ("gather", "free", "reduce_scatter_grads", "register_pre_backward")
@@ -114,10 +114,7 @@ class Zero3Engine(ShardedEngine):
 
     def __init__(self, module, *, units=None, prefetch=True, persist_numel=0, ops=None, init_fn=None,
                  init_seed=None, **common):
-        on_meta = meta_tensors(module)
-        if not on_meta and (init_fn is not None or init_seed is not None):
-            raise ValueError("init_fn / init_seed initialize a model built on the meta device; this model is "
-                             "materialized already (its values are used as they are)")
+        on_meta = check_init_options(module, init_fn, init_seed)
         super().__init__(module, **common)
         self.prefetch, self.persist_numel = prefetch, persist_numel
         self._ops, self.memory_trace = ops or sys.modules[__name__], []
@@ -141,10 +138,11 @@ class Zero3Engine(ShardedEngine):
             self._free(u)                             # resting state: shards only
         if meta is not None:                          # buffers, frozen parameters: whole on every rank
             meta.rest()
+            self._cast_whole()
             whole = [(n, t) for n, t in module.named_parameters() if not t.requires_grad]
             whole += list(module.named_buffers())
             check_agreement(digests + [digest([t]) for _, t in whole],
-                            [u.name for u in self.units] + [n for n, _ in whole], group=self.group)
+                            [u.name for u in self.units] + [n for n, _ in whole], group=self.replica_group())
         self.shard_optim = self._make_shard_optimizer([u.shard for u in self.units], init)
         self.optimizer = self.shard_optim.optimizer
         # This rank's averaged gradient shard per unit (2Ψ/N bytes in bf16): created as the unit's
@@ -163,6 +161,10 @@ class Zero3Engine(ShardedEngine):
         self.phase = "forward"        # what the next gathers serve: "forward", or "backward" once forward ran
         self._predicted = [u.index for u in self.units if not u.resident]   # forward order guess
         self._running, self._uses_checked = [], False    # units whose forward runs; first forward checked
+
+    def replica_group(self):
+        """The ranks that must hold the same model: this engine's group (HSDP: all ranks)."""
+        return self.group
 
     @property
     def ops(self):
