@@ -214,7 +214,7 @@ def test_fully_shard_builds_a_meta_model_unit_by_unit(clusters):
 
 
 class Net(torch.nn.Module):
-    """Buffers (BatchNorm's running statistics and an int64 counter), a frozen layer, two units."""
+    """Buffers (BatchNorm's running statistics and an int64 counter), frozen layers, three units."""
 
     def __init__(self):
         super().__init__()
@@ -222,10 +222,13 @@ class Net(torch.nn.Module):
         self.norm = torch.nn.BatchNorm1d(6)
         self.frozen = torch.nn.Linear(6, 6)
         self.frozen.requires_grad_(False)
+        self.table = torch.nn.Embedding(4, 6)          # frozen, normal_ init: bf16 draws differ from fp32's
+        self.table.requires_grad_(False)
         self.b = torch.nn.Linear(6, 3)
 
     def forward(self, x, y):
-        return torch.nn.functional.mse_loss(self.b(self.frozen(self.norm(self.a(x)))), y)
+        h = self.frozen(self.norm(self.a(x))) + self.table.weight.sum(0)
+        return torch.nn.functional.mse_loss(self.b(h), y)
 
 
 def _net_bf16():

@@ -59,7 +59,8 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
     ``activation_checkpointing='full'`` or ``'selective'``: recompute each block, or each block's core
     attention, in backward (``checkpoint_units=[...]``: the modules to recompute, for models other
     than TinyGPT; lesson 10). Stage-specific options (stage 3: ``units``, ``prefetch``,
-    ``persist_numel``, ``ops``; on a 2-D mesh, lesson 12: ``mesh=(nodes, devices per node)`` for
+    ``persist_numel``, ``ops``, and for a model built on the meta device ``init_fn``, ``init_seed``:
+    :mod:`zerolab.meta_init`; on a 2-D mesh, lesson 12: ``mesh=(nodes, devices per node)`` for
     HSDP, ``hpz=True``, ``quantize_weights=True``, ``quantize_gradients='int4'`` or ``'int8'``,
     ``quantize_block``: :mod:`zerolab.hybrid`) are keywords too. Raises ValueError naming any bad or unknown value and
     the valid ones. Every rank must call it with the same model (checked).
