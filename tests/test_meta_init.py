@@ -273,7 +273,7 @@ def test_materialize_refuses_what_would_be_silently_wrong():
         parent = Parent()
     recursive = lambda m: [torch.nn.init.zeros_(p) for p in m.parameters()]     # recurse=True: wrong
     built = Materializer(parent, device="cpu", init_fn=recursive)
-    built.materialize(list(parent.child.parameters()))                          # the child first (a unit)
+    built.materialize(list(parent.child.parameters()), unit="child")            # the child first (a unit)
     with pytest.raises(ValueError, match=r"initializing \(model\) wrote its submodules' tensors \['child.weight'"):
         built.rest()
 

@@ -45,7 +45,7 @@ from zerolab import activations, checkpoint, comm, mixed_precision
 from zerolab.flat import unique_trainable
 from zerolab.launch import rank_device
 from zerolab.memory import storage_bytes_by_kind
-from zerolab.meta_init import meta_tensors
+from zerolab.meta_init import digest, meta_tensors
 from zerolab.mixed_precision import LossScaler
 from zerolab.ring import ring_reduce_scatter
 from zerolab.shard_optim import ShardOptimizer, master_dtype
@@ -687,11 +687,9 @@ class ShardedEngine(Engine):
 
 
 def _digest(t):
-    """A digest of ``t``'s bytes (blake2b, 8 bytes in hex), or 'meta' for a tensor without data."""
-    if t.is_meta:
-        return "meta"
-    data = t.detach().reshape(-1).contiguous().cpu()
-    return hashlib.blake2b(data.view(torch.uint8).numpy(), digest_size=8).hexdigest() if data.numel() else "empty"
+    """A digest of ``t``'s bytes (:func:`zerolab.meta_init.digest`, hex), or 'meta' for a tensor
+    without data."""
+    return "meta" if t.is_meta else f"{digest([t]):x}"
 
 
 def model_signature(model):

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from zerolab import comm, engine, mixed_precision
 from zerolab.engine import OwnedGrads, cast_floats, check_same_model
 from zerolab.launch import rank_device
-from zerolab.meta_init import Materializer, check_agreement, check_init_options, digest, meta_tensors
+from zerolab.meta_init import Materializer, check_init_options, meta_tensors
 from zerolab.shard_optim import master_dtype
 from zerolab.units import assign_params, module_name
 from zerolab.zero3 import register_pre_backward
@@ -145,7 +145,6 @@ class FullyShardedModule(nn.Module):
         owners, self.replicated, frozen = assign_params(module, units)
         meta = Materializer(module, device=rank_device(), seed=init_seed or 0, init_fn=init_fn) \
             if meta_tensors(module) else None
-        digests = []
         stray = {id(p) for p in self.replicated if p.dim() > 0 and param_dtype not in (None, p.dtype)}
         if stray:                                # they would compute in their dtype, the rest in param_dtype
             names = [n for n, p in module.named_parameters() if id(p) in stray]
@@ -154,8 +153,7 @@ class FullyShardedModule(nn.Module):
         self.units = []
         for unit_module, params in owners.items():                        # one unit at a time
             if meta is not None:              # a meta model: only this unit's modules get memory now
-                meta.materialize([p for p, _ in params])
-                digests.append(digest([p for p, _ in params]))
+                meta.materialize([p for p, _ in params], unit=module_name(module, unit_module))
             dtypes = {p.dtype for p, _ in params}
             if param_dtype is None and len(dtypes) > 1:
                 raise ValueError(f"unit {module_name(module, unit_module)!r} has parameters of several "
@@ -169,12 +167,7 @@ class FullyShardedModule(nn.Module):
             owners[unit_module] = None        # drop the whole parameters: the shards replace them
         params = sharded = None               # the last unit's whole parameters, too
         if meta is not None:                  # whole on every rank: replicated, frozen, buffers
-            meta.rest()
-            shards = {id(s.shard) for u in self.units for s in u.params}
-            whole = [(n, t) for n, t in module.named_parameters() if id(t) not in shards]
-            whole += list(module.named_buffers())
-            check_agreement(digests + [digest([t]) for _, t in whole],
-                            [u.name for u in self.units] + [n for n, _ in whole], group=group)
+            meta.finish(module, {id(s.shard) for u in self.units for s in u.params}, group=group)
         with torch.no_grad():
             for t in frozen + list(module.buffers()):
                 if param_dtype is not None and t.is_floating_point():

@@ -111,11 +111,12 @@ class Materializer:
             for _, t in _own(m):
                 self.owners.setdefault(id(t), []).append(m)
         self.done, self.buffers = set(), {}  # materialized modules; id(meta buffer) -> its new tensor
+        self.digests = []                    # (unit, digest of its tensors), for finish()
 
-    def materialize(self, tensors):
+    def materialize(self, tensors, *, unit):
         """Materialize every module that directly owns one of ``tensors``, and every module sharing a
         tensor with those, not done yet, in model order: afterwards none of ``tensors`` is on the
-        meta device."""
+        meta device. Records a digest of ``tensors`` under the name ``unit`` for :meth:`finish`."""
         wanted, todo = set(), [m for t in tensors for m in self.owners.get(id(t), [])]
         while todo:                          # modules connected by shared tensors: one group
             m = todo.pop()
@@ -125,12 +126,23 @@ class Materializer:
         for name, m in self.modules:
             if id(m) in wanted:
                 self._one(name, m)
+        self.digests.append((unit, digest(tensors)))
 
     def rest(self):
         """Materialize every module not done yet (those with only buffers or frozen parameters)."""
         for name, m in self.modules:
             if id(m) not in self.done:
                 self._one(name, m)
+
+    def finish(self, model, sharded, group=None):
+        """After the units: materialize the rest, whole on every rank, then check that every rank
+        built the same values (:func:`check_agreement`): each unit's digest, and each parameter or
+        buffer of ``model`` that is not in ``sharded`` (ids of the units' parameters)."""
+        self.rest()
+        whole = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                 if id(t) not in sharded]
+        check_agreement([d for _, d in self.digests] + [digest([t]) for _, t in whole],
+                        [n for n, _ in self.digests] + [n for n, _ in whole], group=group)
 
     def _one(self, name, m):
         label = name or "(model)"

@@ -43,7 +43,7 @@ from zerolab import comm, engine
 from zerolab.engine import Option, OwnedGrads, ShardedEngine, is_count, is_flag
 from zerolab.shard_optim import master_dtype
 from zerolab.launch import rank_device
-from zerolab.meta_init import Materializer, check_agreement, check_init_options, digest
+from zerolab.meta_init import Materializer, check_init_options
 from zerolab.units import FREE, GATHERING, READY, ForeignUseCheck, Unit, plan_units
 
 PRIMITIVES = ("gather", "free", "reduce_scatter_grads", "register_pre_backward")
@@ -122,27 +122,21 @@ class Zero3Engine(ShardedEngine):
         plan = plan_units(module, units, trainable, persist_numel=persist_numel)
         meta = Materializer(module, device=rank_device(), seed=init_seed or 0, init_fn=init_fn) if on_meta else None
         mixed = master_dtype(self.compute_dtype) != self.compute_dtype
-        self.units, init, digests = [], [] if mixed else None, []
+        self.units, init = [], [] if mixed else None
         for i, (name, m, ps, resident, keep) in enumerate(plan):    # one unit at a time, then freed
             if meta is not None:
-                meta.materialize(ps)                  # a meta model: only this unit's modules exist now
+                meta.materialize(ps, unit=name)       # a meta model: only this unit's modules exist now
             originals = [p.detach() for p in ps]      # exact values, before any cast
             u = Unit(i, name, m, ps, world_size=self.world_size, rank=self.rank, dtype=self.compute_dtype,
                      resident=resident, keep=keep)
             if mixed:                                 # bf16: the fp32 master shard from the originals
                 init.append(u.flat.shard_from(originals, torch.float32))
-            if meta is not None:
-                digests.append(digest(originals))     # checked below: every rank built the same values
             del originals                             # only the flat buffer holds the unit now
             self.units.append(u)
             self._free(u)                             # resting state: shards only
         if meta is not None:                          # buffers, frozen parameters: whole on every rank
-            meta.rest()
+            meta.finish(module, {id(p) for p in trainable}, group=self.replica_group())
             self._cast_whole()
-            whole = [(n, t) for n, t in module.named_parameters() if not t.requires_grad]
-            whole += list(module.named_buffers())
-            check_agreement(digests + [digest([t]) for _, t in whole],
-                            [u.name for u in self.units] + [n for n, _ in whole], group=self.replica_group())
         self.shard_optim = self._make_shard_optimizer([u.shard for u in self.units], init)
         self.optimizer = self.shard_optim.optimizer
         # This rank's averaged gradient shard per unit (2Ψ/N bytes in bf16): created as the unit's
