@@ -115,10 +115,10 @@ class _Tail(threading.Thread):
         return self.data.decode(errors="replace")
 
 
-def _kill_all(proc, tag):
-    """Kill the child and every process it started: its descendants, and any process whose
-    environment carries this grading's tag (the ranks run in sessions of their own, and a child
-    that died has left them orphaned)."""
+def _kill_all(proc, tag, uid=None):
+    """Kill the child and every process it started: its descendants, any process whose environment
+    carries this grading's tag (the ranks run in sessions of their own, and a child that died has
+    left them orphaned), and any process of the submission's own user id (``uid``, as root)."""
     import psutil
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
@@ -128,7 +128,8 @@ def _kill_all(proc, tag):
     proc.wait()
     for p in psutil.process_iter():
         try:
-            if p not in family and p.environ().get("ZEROLAB_GRADE_TAG") == tag:
+            if p not in family and (p.environ().get("ZEROLAB_GRADE_TAG") == tag or
+                                    (uid is not None and p.uids().real == uid)):
                 family.append(p)
         except psutil.Error:
             pass
@@ -237,8 +238,8 @@ def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=No
         (tmp / "sys_path" / "zerolab").symlink_to(PACKAGE, target_is_directory=True)
         # A fresh copy of the tests and of the submission for this submission alone; its ranks see
         # only that, the Python installation and zerolab (tree.py, sandbox.py).
-        submission, copies, _, marks, spec = make_tree(tmp, impl, graded, files, sandboxed=sandboxed,
-                                                       shown=[tmp / "sys_path"])
+        submission, copies, _, marks, spec, uid = make_tree(tmp, impl, graded, files, sandboxed=sandboxed,
+                                                            shown=[tmp / "sys_path"])
         tag = secrets.token_hex(8)
         env = _child_env(submission, rank_timeout, tmp, tag, marks, spec)
         for attempt in range(1_000_000):  # each pass resumes after a crash or a stop; ends below
@@ -271,7 +272,7 @@ def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=No
                         over = (f"exercise {lesson}'s share of the time budget (--budget {budget:g} s, "
                                 f"shared by the exercises left) ran out", lesson)
             finally:
-                _kill_all(proc, tag)
+                _kill_all(proc, tag, uid)
                 tail.join(5)
             ev.read()
             output = tail.text()

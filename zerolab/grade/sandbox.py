@@ -15,10 +15,11 @@ Per process started this way (each rank of a submission):
 * **Its own process tree** (a PID namespace): a small init (this module) is process 1 and runs the
   command as its child; when either ends, the kernel ends every process in the namespace, detached
   ones (``setsid``, double forks) included. The processes of the grader are not visible.
-* **Less privilege**: as root, the command runs as ``nobody`` (uid/gid 65534, no supplementary
-  groups, ``no_new_privs``); otherwise the whole sandbox lives in an unprivileged user namespace
+* **Less privilege**: as root, the command runs as a user id of its own that no one else has
+  (:func:`fresh_uid`; no supplementary groups, ``no_new_privs``); otherwise the whole sandbox lives in an unprivileged user namespace
   and the command in a nested one that holds no capability over the sandbox's mounts. Limits: a
-  bounded number of processes (a fork bomb stops there), file size, no core dumps.
+  bounded number of processes (a fork bomb stops there), file size, no core dumps; out of memory,
+  the kernel ends the sandbox's processes first (``oom_score_adj`` 1000).
 
 Anchors: PrairieLearn runs student code as an unprivileged user in a separate process; Gradescope
 in a fresh container per submission. This is the same idea with the kernel's namespaces, which
@@ -135,6 +136,10 @@ def _build_root(spec):
 
 
 def _limit(spec):
+    try:  # out of memory, the kernel ends the submission's processes first, never the grader's
+        _write("/proc/self/oom_score_adj", "1000")
+    except OSError:
+        pass
     nproc = spec.get("max_processes", 512)
     if os.geteuid() != 0:  # counted per real user: leave room above what this user runs already
         nproc += sum(1 for d in os.listdir("/proc") if d.isdigit())
@@ -143,11 +148,11 @@ def _limit(spec):
         resource.setrlimit(what, (value, value))
 
 
-def _drop_privileges(as_root):
+def _drop_privileges(as_root, uid):
     if as_root:
         os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     else:
         # A nested user namespace: the command is uid 1000 there, with no capability over the
         # sandbox's mounts (they belong to the outer one), and loses the rest at exec.
@@ -171,7 +176,7 @@ def _init(spec, argv, as_root):
     child = os.fork()
     if child == 0:
         try:
-            _drop_privileges(as_root)
+            _drop_privileges(as_root, spec.get("uid", NOBODY))
             env = dict(os.environ, HOME="/tmp", TMPDIR="/tmp", ZEROLAB_PARENT_PID="1")
             os.execve(argv[0], argv, env)
         except OSError as exc:
@@ -225,12 +230,21 @@ def unavailable_reason():
             "kernel.apparmor_restrict_unprivileged_userns=0)")
 
 
-def write_spec(path, *, root, scratch, read_only, max_processes=512, max_file_bytes=4 << 30):
+def fresh_uid():
+    """A user id no one has (as root, each submission runs as its own): its process limit is its
+    own, and every process it leaves is found by it. Far above the ranges systems and rootless
+    containers hand out (below 2**31), and below uid_t's reserved values."""
+    import secrets
+    return 3_000_000_000 + secrets.randbelow(1_000_000_000)
+
+
+def write_spec(path, *, root, scratch, read_only, uid=NOBODY, max_processes=512, max_file_bytes=4 << 30):
     """The JSON spec :func:`enter` reads: the empty folder the root is mounted on, the scratch
-    folder (writable; /tmp inside), and the host paths to show read-only."""
+    folder (writable; /tmp inside), the host paths to show read-only, and (as root) the user id the
+    command runs as."""
     with open(path, "w") as f:
         json.dump({"root": str(root), "scratch": str(scratch), "read_only": [str(p) for p in read_only],
-                   "max_processes": max_processes, "max_file_bytes": max_file_bytes}, f)
+                   "uid": uid, "max_processes": max_processes, "max_file_bytes": max_file_bytes}, f)
 
 
 def main(argv):

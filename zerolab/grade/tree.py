@@ -18,7 +18,7 @@ import stat
 import sys
 import sysconfig
 
-from zerolab.grade.sandbox import NOBODY, write_spec
+from zerolab.grade.sandbox import fresh_uid, write_spec
 
 SUBMISSION_LIMIT = 50 << 20  # bytes of .py files a submission may hold
 PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # the zerolab package the ranks import
@@ -62,21 +62,24 @@ def copy_tests(graded, files, dst):
 
 def make_tree(tmp, impl, graded, files, *, sandboxed, shown=()):
     """Build the grading tree in the empty folder ``tmp``; returns (submission, test files,
-    scratch, marks, spec or None). ``shown``: more folders the sandbox shows, read-only."""
+    scratch, marks, spec or None, the submission's user id or None). ``shown``: more folders the
+    sandbox shows, read-only."""
     tree = tmp / "tree"
     submission = copy_submission(impl, tree / "submission")
     tests = copy_tests(graded, files, tree)
     scratch, marks = tmp / "scratch", tmp / "scratch" / ".marks"
     marks.mkdir(parents=True)
-    spec = None
+    spec = uid = None
     if sandboxed:
-        if os.geteuid() == 0:  # the submission runs as nobody: its folder is the one it may write
+        if os.geteuid() == 0:  # the submission runs as a user of its own: its folder is the one it may write
+            uid = fresh_uid()
             for p in (scratch, marks):
-                os.chown(p, NOBODY, NOBODY)
+                os.chown(p, uid, uid)
         scratch.chmod(0o700)
         (tmp / "root").mkdir()
         spec = tmp / "sandbox.json"
         shown = {sys.base_prefix, sys.prefix, str(PACKAGE), str(tree), *map(str, shown)}
         shown |= {sysconfig.get_path(k) for k in ("purelib", "platlib", "stdlib", "platstdlib")}
-        write_spec(spec, root=tmp / "root", scratch=scratch, read_only=sorted(p for p in shown if p))
-    return submission, tests, scratch, marks, spec
+        write_spec(spec, root=tmp / "root", scratch=scratch, read_only=sorted(p for p in shown if p),
+                   **({"uid": uid} if uid is not None else {}))
+    return submission, tests, scratch, marks, spec, uid
