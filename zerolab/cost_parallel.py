@@ -60,19 +60,25 @@ def tp_activation_bytes_per_layer(seq_len, micro_batch, d_model, n_heads, t, **k
     return sum(b for _, _, b in tp_layer_terms(seq_len, micro_batch, d_model, n_heads, t, **kwargs))
 
 
-def tp_layer_collectives(act_bytes, *, sequence_parallel=False, regather=True):
+def tp_layer_collectives(act_bytes, *, sequence_parallel=False, regather=True, replicated_grad_bytes=0):
     """The collectives one transformer layer runs per micro-batch on its tensor-parallel group, by
     pass: {"forward": [(op, bytes of the whole (s, b, h) tensor)], "backward": [...]}. Tensor
     parallelism: g's all-reduce after attention and after the MLP in forward, f's before each in
     backward; sequence parallelism: an all-gather before each column-parallel linear and a
     reduce-scatter after each row-parallel one, in both passes, and Megatron-LM's re-gather of
-    each column-parallel linear's input in backward (``regather``)."""
+    each column-parallel linear's input in backward (``regather``), and, when
+    ``replicated_grad_bytes`` (the bytes of one of the layer's h-sized replicated parameters) is
+    given, the sum of the gradients of its six replicated parameters (two LayerNorms' weight and bias,
+    two row-parallel biases), which saw only this rank's tokens (:mod:`zerolab.tensor_parallel`
+    sums them in backward; Megatron-LM once per step)."""
     s = act_bytes
     if not sequence_parallel:
         return {"forward": [("all_reduce", s)] * 2, "backward": [("all_reduce", s)] * 2}
     backward = [("all_gather", s), ("reduce_scatter", s)] * 2
     if regather:
         backward += [("all_gather", s)] * 2
+    if replicated_grad_bytes:
+        backward += [("all_reduce", replicated_grad_bytes)] * 6
     return {"forward": [("all_gather", s), ("reduce_scatter", s)] * 2, "backward": backward}
 
 

@@ -48,15 +48,17 @@ instead (the g/g-bar bytes alone, 2·e·s·b·h·(1 - 1/t) more activation memor
 
 Layout: (s, b, h), sequence first, as Megatron-LM, so that a slice of the sequence is contiguous.
 LayerNorm weights and the row-parallel biases are replicated; with sequence parallelism each rank's
-gradient of them covers only its tokens, so they are all-reduced over the group after backward
-(:func:`allreduce_sequence_parallel_grads`, Megatron's ``_allreduce_non_tensor_model_parallel_grads``
-in finalize_model_grads.py). :class:`TensorParallelGPT` splits a :class:`zerolab.models.TinyGPT`;
+gradient of them covers only its tokens, so they enter through f and are summed over the group inside
+backward (:class:`SequenceParallelLayerNorm`; six all-reduces of h values per layer; Megatron-LM sums
+them once per step, coalesced, in finalize_model_grads.py). :class:`TensorParallelGPT` splits a :class:`zerolab.models.TinyGPT`;
 its embeddings, final LayerNorm and (tied) output layer stay replicated (Megatron-LM also splits the
 vocabulary: ``VocabParallelEmbedding`` and a vocabulary-parallel cross-entropy; not here).
 
 Reduce-scatters run as lesson 00's ring on gloo (torch emulates gloo's with a full all-reduce:
 twice the bytes), torch's on NCCL, as the ZeRO engines do.
 """
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -229,16 +231,15 @@ class RowParallelLinear(nn.Module):
         self.cols = torch.as_tensor(cols)
         self.weight = nn.Parameter(linear.weight.detach()[:, self.cols].clone())     # (out, in/t)
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        if self.bias is not None and sequence_parallel:
-            self.bias.sequence_parallel = True         # added on a sequence slice: its grad is partial
 
     def forward(self, x):
         partial = F.linear(x, self.weight)                                       # Y_i B_i
-        if self.sequence_parallel:
-            z = ReduceScatterToSequenceParallel.apply(partial, self.group)
-        else:
+        if not self.sequence_parallel:
             z = ReduceFromTensorParallel.apply(partial, self.group)
-        return z + self.bias if self.bias is not None else z
+            return z + self.bias if self.bias is not None else z
+        z = ReduceScatterToSequenceParallel.apply(partial, self.group)
+        # the bias meets only this rank's tokens: its gradient is summed over the group (f)
+        return z + CopyToTensorParallel.apply(self.bias, self.group) if self.bias is not None else z
 
 
 class TensorParallelAttention(nn.Module):
@@ -273,7 +274,8 @@ class TensorParallelBlock(nn.Module):
     def __init__(self, block, group, *, sequence_parallel=False, regather=True):
         super().__init__()
         t, r = dist.get_world_size(group), dist.get_rank(group)
-        self.ln1, self.ln2 = _replica(block.ln1, sequence_parallel), _replica(block.ln2, sequence_parallel)
+        norm = (lambda ln: SequenceParallelLayerNorm(ln, group)) if sequence_parallel else copy.deepcopy
+        self.ln1, self.ln2 = norm(block.ln1), norm(block.ln2)
         self.attn = TensorParallelAttention(block, group, sequence_parallel=sequence_parallel, regather=regather)
         hidden = block.fc.out_features
         mine = torch.arange(r * hidden // t, (r + 1) * hidden // t)
@@ -285,14 +287,24 @@ class TensorParallelBlock(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
-def _replica(module, sequence_parallel):
-    """A copy of a replicated module (LayerNorm); its parameters are marked when they see only this
-    rank's tokens (sequence parallelism), so that their gradients are all-reduced after backward."""
-    import copy
-    copied = copy.deepcopy(module)
-    for p in copied.parameters():
-        p.sequence_parallel = sequence_parallel
-    return copied
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """A replicated LayerNorm on this rank's tokens: the gradient of its weight and bias on each rank
+    covers only those tokens, so they enter through f and autograd sums them over the group, inside
+    backward (any ZeRO stage's gradient hooks then see the whole gradient). Megatron-LM instead marks
+    them ``sequence_parallel`` and all-reduces them once per step, coalesced, after the data-parallel
+    reduction (``_allreduce_non_tensor_model_parallel_grads`` in finalize_model_grads.py): the same
+    sum, fewer and larger calls."""
+
+    def __init__(self, ln, group):
+        super().__init__(ln.normalized_shape, eps=ln.eps, dtype=ln.weight.dtype)
+        self.group = group
+        with torch.no_grad():
+            self.weight.copy_(ln.weight)
+            self.bias.copy_(ln.bias)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, CopyToTensorParallel.apply(self.weight, self.group),
+                            CopyToTensorParallel.apply(self.bias, self.group), self.eps)
 
 
 def check_split(t, *, heads, hidden, seq_len=None):
@@ -351,21 +363,3 @@ class TensorParallelGPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-    def finish_grads(self):
-        """After backward: with sequence parallelism, all-reduce the gradients that saw only this
-        rank's tokens (a collective of the group; nothing to do without it)."""
-        if self.sequence_parallel:
-            allreduce_sequence_parallel_grads(self, self.group)
-
-
-def allreduce_sequence_parallel_grads(module, group):
-    """Sum over ``group`` the gradients of the parameters marked ``sequence_parallel`` (LayerNorms,
-    row-parallel biases), in one flat all-reduce, as Megatron-LM's finalize_model_grads.py does."""
-    params = [p for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    comm.all_reduce(flat, group=group, tag="sequence-parallel grads")
-    for p, part in zip(params, flat.split([p.numel() for p in params])):
-        p.grad.copy_(part.view_as(p.grad))
