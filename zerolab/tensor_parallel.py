@@ -20,7 +20,8 @@ f: :class:`CopyToTensorParallel`       identity                all-reduce
 g: :class:`ReduceFromTensorParallel`   all-reduce              identity
 =====================================  ======================  ======================
 
-f enters each column-parallel linear, g leaves each row-parallel one: per layer (attention + MLP) two
+(Korthikanti et al. call them f and f-bar.) f enters each column-parallel linear, g leaves each
+row-parallel one: per layer (attention + MLP) two
 all-reduces of the (s, b, h) activation in forward and two in backward, 2(t-1)/t of its bytes sent
 per rank each (a ring). Megatron-Core today fuses f into the column-parallel linear's backward, where
 the all-reduce of the input gradient runs asynchronously beside the weight-gradient GEMM
