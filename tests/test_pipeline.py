@@ -165,13 +165,20 @@ def refusals(case):
                        shape=(1,), dtype=torch.float32)
         elif case == "schedule":
             P.train_step(None, 2, "interleaved")
+        elif case == "zero3":
+            import zerolab
+            stage = P.Stage(full, dist.get_world_size(), dist.get_rank())
+            alone = [dist.new_group([r]) for r in range(dist.get_world_size())]   # every rank makes every group
+            engine = zerolab.initialize(stage, stage=3, group=alone[dist.get_rank()])
+            P.StageRun(stage, 2, inputs=[None, None], targets=[None, None], shape=(1,), dtype=torch.float32, call=engine)
     except ValueError as exc:
         return str(exc)
     return None
 
 
 @pytest.mark.parametrize("case, words", [("layers", "divide the model's 4 blocks"), ("tied", "tied=False"),
-                                         ("inputs", "stage 0 needs inputs"), ("schedule", "'gpipe', '1f1b'")])
+                                         ("inputs", "stage 0 needs inputs"), ("schedule", "'gpipe', '1f1b'"),
+                                         ("zero3", "use stage 1")])
 def test_bad_input_is_refused_by_name(clusters, case, words):
     got = clusters(2).run(refusals, case)[0]
     assert got is not None and words in got, got

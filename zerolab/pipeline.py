@@ -169,6 +169,10 @@ class StageRun:
             raise ValueError(f"the last stage needs targets: a list of m={m} micro-batches' targets")
         if not (self.first and self.last) and (shape is None or dtype is None):
             raise ValueError("shape and dtype of the activations passed between stages are needed to receive them")
+        if getattr(call, "stage", None) == 3 and self.p > 1 and m > 1:
+            raise ValueError("a ZeRO-3 engine (zerolab.initialize(..., stage=3)) gathers and frees each unit around "
+                             "ONE micro-batch's forward and backward, and a pipeline keeps several in flight: use "
+                             "stage 1 (DeepSpeed's pipeline engine allows no other) or stage 2")
         self.stage, self.m, self.inputs, self.targets, self.loss_fn = stage, m, inputs, targets, loss_fn
         self.shape, self.dtype = tuple(shape) if shape is not None else None, dtype
         self.call = call or stage
