@@ -21,11 +21,11 @@ g: :class:`ReduceFromTensorParallel`   all-reduce              identity
 =====================================  ======================  ======================
 
 (Korthikanti et al. call them f and f-bar.) f enters each column-parallel linear, g leaves each
-row-parallel one: per layer (attention + MLP) two
-all-reduces of the (s, b, h) activation in forward and two in backward, 2(t-1)/t of its bytes sent
-per rank each (a ring). Megatron-Core today fuses f into the column-parallel linear's backward, where
-the all-reduce of the input gradient runs asynchronously beside the weight-gradient GEMM
-(layers.py, ``LinearWithGradAccumulationAndAsyncCommunication``); the bytes are the same.
+row-parallel one: per layer (attention + MLP) two all-reduces of the (s, b, h) activation in forward
+and two in backward, 2(t-1)/t of its bytes sent per rank each (a ring). Megatron-Core today fuses f
+into the column-parallel linear's backward, where the all-reduce of the input gradient runs
+asynchronously beside the weight-gradient GEMM (layers.py,
+``LinearWithGradAccumulationAndAsyncCommunication``); the bytes are the same.
 
 **Sequence parallelism** (Korthikanti et al., arXiv 2205.05198, Sec. 4.2.2). What tensor
 parallelism leaves whole on every rank — LayerNorms, dropouts, the residual stream — acts on each
@@ -33,12 +33,12 @@ token independently, so it is split along the sequence: each rank keeps s/t of t
 The all-reduces become reduce-scatter + all-gather, the same bytes under a ring, since a ring
 all-reduce IS a reduce-scatter followed by an all-gather:
 
-===============================================  ==========================  ==========================
-operator (mappings.py)                           forward                     backward
-===============================================  ==========================  ==========================
-:class:`GatherFromSequenceParallel` (the paper's g)  all-gather along s      reduce-scatter along s
-:class:`ReduceScatterToSequenceParallel` (g-bar)     reduce-scatter along s  all-gather along s
-===============================================  ==========================  ==========================
+=======================================================  ======================  ======================
+operator (Megatron-LM: mappings.py)                      forward                 backward
+=======================================================  ======================  ======================
+:class:`GatherFromSequenceParallel` (the paper's g)      all-gather along s      reduce-scatter along s
+:class:`ReduceScatterToSequenceParallel` (g-bar)         reduce-scatter along s  all-gather along s
+=======================================================  ======================  ======================
 
 A column-parallel linear needs the whole sequence of its input for its weight gradient. Megatron-LM
 keeps only this rank's s/t slice and all-gathers it again in backward (layers.py, the
@@ -49,11 +49,12 @@ instead (the g/g-bar bytes alone, 2·e·s·b·h·(1 - 1/t) more activation memor
 
 Layout: (s, b, h), sequence first, as Megatron-LM, so that a slice of the sequence is contiguous.
 LayerNorm weights and the row-parallel biases are replicated; with sequence parallelism each rank's
-gradient of them covers only its tokens, so they enter through f and are summed over the group inside
-backward (:class:`SequenceParallelLayerNorm`; six all-reduces of h values per layer; Megatron-LM sums
-them once per step, coalesced, in finalize_model_grads.py). :class:`TensorParallelGPT` splits a :class:`zerolab.models.TinyGPT`;
-its embeddings, final LayerNorm and (tied) output layer stay replicated (Megatron-LM also splits the
-vocabulary: ``VocabParallelEmbedding`` and a vocabulary-parallel cross-entropy; not here).
+gradient of them covers only its tokens, so they enter through f and are summed over the group
+inside backward (:class:`SequenceParallelLayerNorm`; six all-reduces of h values per layer;
+Megatron-LM sums them once per step, coalesced, in finalize_model_grads.py).
+:class:`TensorParallelGPT` splits a :class:`zerolab.models.TinyGPT`; its embeddings, final LayerNorm
+and (tied) output layer stay replicated (Megatron-LM also splits the vocabulary:
+``VocabParallelEmbedding`` and a vocabulary-parallel cross-entropy; not here).
 
 Reduce-scatters run as lesson 00's ring on gloo (torch emulates gloo's with a full all-reduce:
 twice the bytes), torch's on NCCL, as the ZeRO engines do.
