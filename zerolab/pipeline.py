@@ -1,8 +1,8 @@
 """Pipeline parallelism: the model cut into p stages on p ranks, micro-batches passed by send/recv.
 
 Rank s of the pipeline group holds stage s (a run of consecutive layers). A step's batch is cut
-into m micro-batches; each goes forward through stages 0 .. p-1 (stage s sends its output, s·b·h
-values, to stage s+1) and backward through p-1 .. 0 (stage s sends the gradient of its input back).
+into m micro-batches; each goes forward through stages 0 .. p-1 (stage s sends its output, one
+(b, seq, h) activation, to stage s+1) and backward through p-1 .. 0 (stage s sends the gradient of its input back).
 Gradients accumulate over the micro-batches, then every stage steps its own parameters: the same
 update as one process on the whole batch, with the loss averaged over micro-batches.
 
@@ -20,7 +20,7 @@ GPipe     all m forwards, then all m backwards          (p-1)/(m+p-1)           
 (GPipe: Huang et al. 2019, arXiv 1811.06965. 1F1B, "PipeDream-Flush": Narayanan et al. 2021; it is
 Megatron-LM's ``forward_backward_pipelining_without_interleaving`` in
 megatron/core/pipeline_parallel/schedules.py, DeepSpeed's ``TrainSchedule`` in
-deepspeed/runtime/pipe/schedule.py, and torch's ``Schedule1F1B``, which warms up with p - s forwards
+deepspeed/runtime/pipe/schedule.py ("synchronous 1F1B"), and torch's ``Schedule1F1B``, which warms up with p - s forwards
 and then runs one backward before each forward: the same bound on what a stage holds.)
 
 A stage's activations live from its forward of a micro-batch to its backward of it, so the number of
