@@ -14,11 +14,13 @@ LAYERS = [
     ("collectives", {"comm", "ring", "mesh", "quantize"}),
     ("data structures", {"flat", "shard_optim", "memory", "activations", "data_parallel", "mixed_precision",
                          "meta_init", "units", "models"}),
+    ("model parallelism", {"tensor_parallel", "pipeline"}),
     ("machinery", {"engine", "checkpoint"}),
     ("stages", {"zero0", "zero1", "zero2", "zero3", "hybrid", "fully_sharded"}),
     ("offload", {"offload"}),
     ("entry point", {"stages"}),
-    ("tools", {"cost", "calibrate", "demo", "calculator", "plots", "timeline", "train", "convergence"}),
+    ("tools", {"cost", "calibrate", "demo", "calculator", "plots", "timeline", "train", "convergence",
+               "cost_parallel"}),
     ("grading", {"grade"}),
 ]
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
