@@ -450,13 +450,14 @@ PLANNER_ASSUMPTIONS = (
                   "Ψ/N params do not (no delayed update)", "ZeRO-Offload Sec. 4.1; cost.offload_time"),
     ("not modelled", "tensor / pipeline parallelism; stage 3's per-unit launch, hook and allocator time "
                      "(step_time's unit_overhead, 0 here) and its fragmentation; prefetch landing late "
-                     "when a unit's compute is short; MFU changing with micro-batch size; hierarchical "
+                     "when a unit's compute is short; the SMs and memory bandwidth overlapped "
+                     "communication takes from compute; MFU changing with micro-batch size; hierarchical "
                      "collectives", ""),
     ("choice", "fastest predicted option that fits; within 5%: no offload first, then the larger "
                "micro-batch (what ZeRO-2's freed gradients buy), then the lower stage. Stage 3 for "
                "memory: a ZeRO-3 option wins only where no stage 0-2 option (same offload) fits the same "
-               "micro-batch with no more recomputation; there the model's small speed edge for ZeRO-3 "
-               "rests on what it leaves out", "cost.plan(stage3='memory'); Hugging Face's DeepSpeed guide"),
+               "micro-batch with no more recomputation; a predicted edge for ZeRO-3 there rests on what "
+               "the model leaves out", "cost.plan(stage3='memory'); Hugging Face's DeepSpeed guide"),
 )
 
 STAGE3_RULES = ("memory", "speed")
