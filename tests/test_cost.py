@@ -149,12 +149,14 @@ def test_attention_flops_and_selective_recomputation_by_hand():
     rate = HW.peak_flops * HW.mfu                               # 5e13
     psi, tokens = 1e9, 1000
     none = cost.compute_phases(psi, tokens, HW, attention=a)
-    assert none == pytest.approx({"forward": (2 * psi + a) * tokens / rate, "backward": (4 * psi + 2 * a) * tokens / rate})
+    assert none == pytest.approx({"forward": (2 * psi + a) * tokens / rate,
+                                  "backward": (4 * psi + 2 * a) * tokens / rate})
     sel = cost.compute_phases(psi, tokens, HW, recompute="selective", attention=a)
     assert sel["backward"] - none["backward"] == pytest.approx(a * tokens / rate)      # one more attention forward
     full = cost.compute_phases(psi, tokens, HW, recompute="full", attention=a)
     assert full["backward"] - none["backward"] == pytest.approx((2 * psi + a) * tokens / rate)
-    assert cost.compute_phases(psi, tokens, HW, recompute=True) == cost.compute_phases(psi, tokens, HW, recompute="full")
+    full_by_flag = cost.compute_phases(psi, tokens, HW, recompute=True)
+    assert full_by_flag == cost.compute_phases(psi, tokens, HW, recompute="full")
     with pytest.raises(ValueError, match="recompute='some'"):
         cost.compute_phases(psi, tokens, HW, recompute="some")
 
