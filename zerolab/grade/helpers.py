@@ -69,7 +69,9 @@ def exercise_module(name):
     if refused:
         guard(os.path.join(path, f"{name}.py"), refused, allowed)  # before the submission runs
     marks = os.environ.get("ZEROLAB_IMPORT_MARKS")
-    mark = pathlib.Path(marks, f"{name}.{os.getpid()}") if marks and \
+    # Unique per import: inside the sandbox every rank sits in a PID namespace of its own, where it
+    # may well be process 2 like its neighbours.
+    mark = pathlib.Path(marks, f"{name}.{os.getpid()}-{os.urandom(6).hex()}") if marks and \
         f"zerolab_impl.{name}" not in sys.modules else None
     if mark:
         mark.touch()
