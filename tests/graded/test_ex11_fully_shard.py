@@ -25,6 +25,15 @@ SHAPES = [(7, 3), (5,), (2, 4), (12, 2), (1, 5)]
 BUDGET = 16 * 1024               # bytes a call may allocate at once; the pieces are several times larger
 
 
+def _close(actual, expected, what, *, rtol, atol):
+    """assert_close, decided here (its rank prefix would name this process, not the rank checked:
+    ``what`` names the rank)."""
+    try:
+        assert_close(actual, expected, what, rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        raise AssertionError(str(exc).removeprefix("rank 0: ")) from None
+
+
 def _groups():
     """Every rank makes both groups, in the same order; returns (this rank's group, its global ranks)."""
     import torch.distributed as dist
@@ -72,7 +81,7 @@ def test_shard_dim0_pads_and_gives_each_rank_its_rows(student):
         assert tuple(got.shape) == tuple(want.shape), (
             f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)} (FSDP2's layout: the same "
             f"shape on every rank)")
-        assert_close(got, want, what, rtol=0, atol=0)
+        _close(got, want, what, rtol=0, atol=0)
         assert torch.equal(full_after, full), f"{what} changed full, or returned a view of it: return a new tensor"
 
 
@@ -99,7 +108,7 @@ def test_unshard_dim0_on_a_subgroup(student):
         group = got["ranks"]
         for i, (shape, case) in enumerate(zip(SHAPES, got["cases"])):
             what = f"rank {rank}: unshard_dim0 of a {shape} parameter on the group {group}"
-            assert_close(case["got"], _full(shape, i), what, rtol=0, atol=0)
+            _close(case["got"], _full(shape, i), what, rtol=0, atol=0)
             assert not case["piece_changed"], f"{what} changed the piece it was given"
             want = [["all_gather", group, len(group) * case["piece_bytes"]]]
             assert case["calls"] == want, (f"{what} made the collectives {case['calls']} (op, global ranks of its "
@@ -269,8 +278,8 @@ def test_clip_grad_norm_over_a_mixed_layout(student):
                 else:
                     want = (before.double() * coef).to(before.dtype)
                     eps = torch.finfo(before.dtype).eps
-                    assert_close(after.double(), want.double(), f"{what}: piece {key} after clipping "
-                                 f"(coefficient {coef:.6g})", rtol=2 * eps, atol=0)
+                    _close(after.double(), want.double(), f"{what}: piece {key} after clipping "
+                           f"(coefficient {coef:.6g})", rtol=2 * eps, atol=0)
             _check_wire_and_memory(rank, f"clip_grad_norm_ ({case} layout, max_norm {max_norm:g})", group,
                                    res["calls"], res["peak"])
 
@@ -335,7 +344,7 @@ def test_clip_grad_norm_equals_torch(student):
         assert got == pytest.approx(norms, rel=1e-10), (
             f"rank {rank}: norms {got}; torch.nn.utils.clip_grad_norm_ on one process: {norms}")
         for name, p in model.named_parameters():
-            assert_close(state[name], p.detach(), f"rank {rank}: {name} after 2 clipped steps", rtol=1e-10, atol=1e-12)
+            _close(state[name], p.detach(), f"rank {rank}: {name} after 2 clipped steps", rtol=1e-10, atol=1e-12)
 
 
 INJECT, STEPS = (1, 3), 5
@@ -397,4 +406,4 @@ def test_loss_scaling_skips_like_grad_scaler(student):
         assert got == history, (f"rank {rank}: (loss scale, skipped) per step {got}; torch.amp.GradScaler on one "
                                 f"process: {history}")
         for name, p in model.named_parameters():
-            assert_close(state[name], p.detach(), f"rank {rank}: {name} after {STEPS} steps", rtol=1e-10, atol=1e-12)
+            _close(state[name], p.detach(), f"rank {rank}: {name} after {STEPS} steps", rtol=1e-10, atol=1e-12)
