@@ -8,6 +8,7 @@ probes observe: each collective's op, group and bytes (recorded through taps ins
 submission is imported), and the tensors a call allocates (torch's profiler). The layouts run on
 ranks 1-3 of 4 as a subgroup, while rank 0 runs the same call on a group of its own. Cheapest first
 (the wrong-answer test stops an answer at its first failure)."""
+import contextlib
 import math
 
 import pytest
@@ -34,11 +35,17 @@ def _close(actual, expected, what, *, rtol, atol):
         raise AssertionError(str(exc).removeprefix("rank 0: ")) from None
 
 
+@contextlib.contextmanager
 def _groups():
-    """Every rank makes both groups, in the same order; returns (this rank's group, its global ranks)."""
+    """Every rank makes both groups, in the same order; yields (this rank's group, its global ranks),
+    and gives both back at the end (each holds threads and sockets; a sandboxed grader bounds both)."""
     import torch.distributed as dist
     sub, solo = dist.new_group(list(SUB)), dist.new_group([0])
-    return (solo, (0,)) if dist.get_rank() == 0 else (sub, SUB)
+    yield (solo, (0,)) if dist.get_rank() == 0 else (sub, SUB)
+    dist.barrier()                          # (not after a failure: the rank's error is reported at once)
+    for group in (sub, solo):
+        if group != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
 
 
 def _calls(rec):
@@ -86,9 +93,13 @@ def test_shard_dim0_pads_and_gives_each_rank_its_rows(student):
 
 
 def _probe_unshard():
-    ex = exercise_module("ex11_fully_shard")
+    with _groups() as (group, ranks):
+        return _run_unshard(group, ranks)
+
+
+def _run_unshard(group, ranks):
     import torch.distributed as dist
-    group, ranks = _groups()
+    ex = exercise_module("ex11_fully_shard")
     me, n = ranks.index(dist.get_rank()), len(ranks)
     out = []
     for i, shape in enumerate(SHAPES):
@@ -182,11 +193,15 @@ OVERFLOWS = [None, ("A2", 10, math.inf), ("E", 2999, math.nan), ("C0", 0, -math.
 
 
 def _probe_found_inf():
+    with _groups() as (group, ranks):
+        return _run_found_inf(group, ranks)
+
+
+def _run_found_inf(group, ranks):
     import torch.distributed as dist
 
     from zerolab.memory import allocation_trace
     ex = exercise_module("ex11_fully_shard")
-    group, ranks = _groups()
     me = ranks.index(dist.get_rank())
     out = []
     for bad in OVERFLOWS:
@@ -227,11 +242,15 @@ CLIPS = [("mixed", 1.0, None), ("mixed", 1e12, None), ("mixed", 1.0, ("E", 5, ma
 
 
 def _probe_clip():
+    with _groups() as (group, ranks):
+        return _run_clip(group, ranks)
+
+
+def _run_clip(group, ranks):
     import torch.distributed as dist
 
     from zerolab.memory import allocation_trace
     ex = exercise_module("ex11_fully_shard")
-    group, ranks = _groups()
     me = ranks.index(dist.get_rank())
     out = []
     for case, max_norm, bad in CLIPS:
@@ -303,11 +322,15 @@ def _gpt():
 def _probe_clip_loop():
     """A fully_shard TinyGPT on ranks 1-3 (a subgroup) whose blocks are sharded and whose embeddings,
     final norm and head are left whole (copies on every rank): the submission's clipping, 2 SGD steps."""
+    with _groups() as (group, ranks):
+        return _run_clip_loop(group, ranks)
+
+
+def _run_clip_loop(group, ranks):
     import torch.distributed as dist
 
     import zerolab
     ex = exercise_module("ex11_fully_shard")
-    group, ranks = _groups()
     if len(ranks) == 1:
         return None
     me, everyone = ranks.index(dist.get_rank()), tuple(range(len(ranks)))
@@ -353,11 +376,15 @@ INJECT, STEPS = (1, 3), 5
 def _probe_skip():
     """found_inf inside a fully_shard loop on ranks 1-3 with a dynamic loss scale (zerolab.LossScaler's
     rule): the second rank of the group alone holds an inf at steps 1 and 3."""
+    with _groups() as (group, ranks):
+        return _run_skip(group, ranks)
+
+
+def _run_skip(group, ranks):
     import torch.distributed as dist
 
     import zerolab
     ex = exercise_module("ex11_fully_shard")
-    group, ranks = _groups()
     if len(ranks) == 1:
         return None
     me = ranks.index(dist.get_rank())
