@@ -8,9 +8,9 @@ about a gradient that no rank holds whole (lesson 11).
      job holds it. Each rank of ``group`` passes ``pieces``, the list of what it holds, each entry a
      pair ``(tensor, holders)``:
 
-     * ``tensor``: a piece of the gradient, any shape: fp16 or bf16 (on the device), or fp32 (the
-       pieces an offloaded optimizer keeps on the host; on this CPU-only course, host and "device"
-       are the same memory, so the grader tells them apart only by their dtype);
+     * ``tensor``: a piece of the gradient, any shape and floating dtype: fp16 or bf16 on the
+       device, fp32 for the pieces an offloaded optimizer keeps on the host (on this CPU-only
+       course host and "device" are the same memory: the host's pieces differ only in dtype here);
      * ``holders``: the ranks of ``group``, numbered as ``dist.get_rank(group)`` numbers them, that
        hold an IDENTICAL copy of this piece, this rank among them: one rank for a shard (FSDP2's
        pieces, padding zeros included), every rank for a gradient every rank keeps whole, or any
