@@ -24,7 +24,7 @@ from test_grader import SCHEMA
 REPO = pathlib.Path(__file__).resolve().parent.parent
 RANK_TIMEOUT = 3    # seconds per run on the ranks, for hangs to end fast
 TEST_TIMEOUT = 40   # seconds per test: above the ranks' limit and a 2-rank start on a busy machine
-BOUND = 150         # seconds any one grading below may take (2 busy cores)
+BOUND = 200         # seconds any one grading below may take (2 busy cores)
 
 FAKE_TEST = '''
 import pytest
@@ -170,7 +170,7 @@ def test_megabytes_of_output_stay_out_of_the_results(tmp_path, graded):
 
 @pytest.mark.parametrize("how, first", [
     ("sys.exit(3)", "SystemExit"),
-    ("os._exit(3)", "crashed the grading process"),
+    ("os._exit(3)", "rank 0 died (exit code 3)"),   # in its sandboxed rank, not in the grader
 ])
 def test_exit_at_import_is_not_retried(tmp_path, graded, how, first):
     r, data, _ = grade(submission(tmp_path, f"import os, sys\n{how}\n" + GOOD), tests=graded)
@@ -182,11 +182,13 @@ def test_exit_at_import_is_not_retried(tmp_path, graded, how, first):
 
 
 def test_hanging_import_is_not_retried(tmp_path, graded):
-    r, data, seconds = grade(submission(tmp_path, "import time\ntime.sleep(600)\n" + GOOD), "--test-timeout", 8,
+    # The test's limit leaves room for a rank to start on a busy machine; the ranks' own limit (half
+    # of it) ends the hang.
+    r, data, seconds = grade(submission(tmp_path, "import time\ntime.sleep(600)\n" + GOOD), "--test-timeout", 40,
                              tests=graded)
     tests = by_name(data)
     assert data["score"] == 0
-    assert "Timeout" in tests["test_double"]["output"]
+    assert "did not finish within 20 s" in tests["test_double"]["output"], tests["test_double"]["output"]
     for name in ("test_total", "test_total_again"):
         assert "not run: importing ex00_tiny.py did not complete" in tests[name]["output"]
 
@@ -206,19 +208,19 @@ def test_budget_stops_the_submission_and_kills_its_ranks(tmp_path, graded):
 
 
 def test_a_deadlock_in_one_exercise_leaves_the_next_its_share(tmp_path, graded):
-    # Two exercises share a 90 s budget: ex00 hangs (its rank limit, 80 s, is beyond its share, about
-    # half); ex01 then gets the time left, enough for a new child process on a busy machine.
+    # Two exercises share a 150 s budget: ex00 hangs (its rank limit, 120 s, is beyond its share, about
+    # half); ex01 then gets the time left, enough for a new child process and a rank on a busy machine.
     (graded / "test_ex01_more.py").write_text(
         "import pytest\n\n\n@pytest.mark.points(5)\n"
         "def test_triple(student):\n    assert student.module('ex01_more').triple(2) == 6\n")
     hang = GOOD.replace("    dist.all_reduce(t)", "    import time\n    time.sleep(600)")
     sub = submission(tmp_path, hang)
     (sub / "ex01_more.py").write_text("def triple(x):\n    return 3 * x\n")
-    r, data, seconds = grade(sub, "--budget", 90, "--rank-timeout", 80, "--test-timeout", 120,
+    r, data, seconds = grade(sub, "--budget", 150, "--rank-timeout", 120, "--test-timeout", 180,
                              lessons=None, tests=graded)
     tests = by_name(data)
     assert data["score"] == 1 + 5, data
-    assert "exercise 00's share of the time budget (--budget 90 s, shared by the exercises left) ran out " \
+    assert "exercise 00's share of the time budget (--budget 150 s, shared by the exercises left) ran out " \
            "while this test ran" in tests["test_total"]["output"]
     assert tests["test_total_again"]["output"].startswith("not run: exercise 00's share")
     assert tests["test_triple"]["status"] == "passed"
