@@ -6,6 +6,7 @@ One 2-rank cluster serves the module (spawning ranks costs seconds); the tests t
 import math
 import operator
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -299,10 +300,25 @@ def test_detached_descendants_end_with_a_clean_close():
     assert _wait_dead(detached, 5) == [], "detached processes survived Cluster.close()"
 
 
-def test_detached_descendants_end_with_a_failed_run():
+def starts_detached_processes_then_dies(how, folder):
+    pids, _, _ = starts_detached_processes()
+    with open(os.path.join(folder, f"rank{dist.get_rank()}"), "w") as f:
+        f.write(" ".join(map(str, pids)))
+    if how == "exit":
+        os._exit(7)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_detached_descendants_end_with_a_failed_run(tmp_path):
     with Cluster(2, timeout=3) as c:
         detached = [p for pids, _, _ in c.run(starts_detached_processes) for p in pids]
         with pytest.raises(RankError):  # a timeout: the ranks are stopped
             c.run(time.sleep, 60)
         assert _wait_dead(detached, 5) == [], "detached processes survived a failed run"
+        for how, said in (("exit", "died (exit code 7)"), ("kill", "died (SIGKILL)")):
+            # the rank itself dies at once: nothing of it is left to stop what it detached
+            with pytest.raises(RankError, match=re.escape(f"rank 0 {said}")):
+                c.run(starts_detached_processes_then_dies, how, str(tmp_path))
+            detached = [int(p) for r in range(2) for p in (tmp_path / f"rank{r}").read_text().split()]
+            assert len(detached) == 4 and _wait_dead(detached, 5) == [], f"detached processes outlived a rank ({how})"
         assert c.run(lambda: dist.get_world_size()) == [2, 2]

@@ -14,10 +14,11 @@ gives up on a run only by stopping every rank, so the ranks it talks to are alwa
 
 Nothing is left behind. Each worker leads its own session and process group, and :meth:`Ranks.stop`
 ends every whole group with SIGKILL on every path, clean or not, so processes started by rank code
-die with their rank (and release its output pipes). Before that it ends each worker's descendants
-that left the group (a new session, a double fork: the worker is their subreaper, see
-zerolab/_worker.py), while the worker still lives to hold them. A watchdog process does the same, and removes
-the rendezvous folder, if the parent dies without stopping them (SIGKILL, a kernel restart).
+die with their rank (and release its output pipes). Before that it ends each live worker's
+descendants that left the group (a new session, a double fork: the worker is their subreaper, see
+zerolab/_worker.py) while the worker still lives to hold them; a worker whose rank ended, even
+killed, ends them itself. A watchdog process does the same, and removes the rendezvous folder, if
+the parent dies without stopping them (SIGKILL, a kernel restart).
 """
 import os
 import shutil
@@ -205,20 +206,14 @@ class Ranks:
     def stop(self, graceful=True):
         """Stop every rank and everything its code started; remove the rendezvous folder.
 
-        First every live worker's descendants get SIGKILL, wherever they moved (their own session).
-        ``graceful`` then asks each worker to leave its process group and exit (5 s at most).
-        Then, whatever happened, each rank's whole process group gets SIGKILL: a worker that
-        exited may have left children holding its output pipes. Idempotent; safe to call again
-        after an interrupted call.
+        ``graceful`` first asks each worker to leave its process group and exit (5 s at most).
+        Then each worker still running gets its whole tree killed, wherever its members moved (a
+        session of their own), and, whatever happened, each rank's whole process group gets
+        SIGKILL: a worker that exited may have left children holding its output pipes.
+        Idempotent; safe to call again after an interrupted call.
         """
         if os.getpid() != self.owner:
             return
-        for r in self.ranks:
-            # First, while each worker lives: its descendants that left its process group (a new
-            # session, a double fork + setsid) are re-parented to it, not to init (it is their
-            # subreaper), so its tree still holds them. Once it is gone, they would escape killpg.
-            if r.proc.poll() is None:
-                kill_descendants(r.proc.pid)
         if graceful:
             for r in self.ranks:
                 try:
@@ -231,6 +226,12 @@ class Ranks:
                     r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+        for r in self.ranks:
+            # A worker still running: first its whole tree, while it lives to hold it (it is the
+            # subreaper of what its rank detached: a new session, a double fork + setsid, which
+            # killpg would miss). A worker that exited ended its tree itself (_worker._keep).
+            if r.proc.poll() is None:
+                kill_descendants(r.proc.pid)
         for r in self.ranks:
             try:
                 # A group id stays reserved while any member lives, so this never hits a stranger.

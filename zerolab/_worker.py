@@ -15,9 +15,12 @@ also ends whatever the rank's code started (a ``subprocess.Popen``, a DataLoader
 What left the group (``Popen(..., start_new_session=True)``, a double fork with ``setsid``) is
 still a descendant: the worker is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), so a
 detached grandchild whose parent exits is re-parented to the worker instead of init, and
-:func:`kill_descendants` ends the worker's whole tree before the worker itself (the parent's
-``Ranks.stop``, the worker leaving, the watchdog). The watchdog does that for every rank, and
-removes the rendezvous folder, if the parent dies.
+:func:`zerolab._protocol.kill_descendants` ends the worker's whole tree before the worker itself
+(the parent's ``Ranks.stop``, the worker leaving, the watchdog). So that this holds even when the
+rank dies at once (SIGKILL, a crash, ``os._exit``), the process the parent starts is a *keeper*:
+it forks at start-up, the child runs the rank, and the keeper, which runs nothing else, ends what
+is left of the rank's tree when the rank ends, then exits as the rank did (:func:`_keep`). The
+watchdog does that for every rank, and removes the rendezvous folder, if the parent dies.
 
 Only the rank's own process answers: a process forked by the rank's code that returns into the
 loop exits there (:func:`_call`). A rank whose code closes its stdout or stderr can no longer
@@ -161,6 +164,41 @@ def _exit_when_orphaned(parent_pid, store_dir):
     _end_everything(store_dir)
 
 
+def _keep(rank_pid):
+    """The process the parent started (the one it waits for and stops) keeps the rank, which runs
+    in its forked child, and outlives it by a moment: when the rank ends in any way (an exit, a
+    crash, SIGKILL, os._exit), whatever the rank's code started and detached (re-parented here:
+    this process is a child subreaper) is killed, then this process exits as the rank did (same
+    exit code, same signal), so the parent sees the rank's own end. It holds no control socket
+    (the parent sees EOF when the rank dies) and runs nothing else; it reaps every orphan."""
+    os.close(int(os.environ["ZEROLAB_CONTROL_FD"]))
+    threading.Thread(target=_exit_when_orphaned, daemon=True,
+                     args=(int(os.environ["ZEROLAB_PARENT_PID"]), os.environ["ZEROLAB_STORE_DIR"])).start()
+    status = None
+    while status is None:
+        try:
+            pid, st = os.waitpid(-1, 0)               # the rank, or an orphan re-parented here
+        except ChildProcessError:
+            break
+        if pid == rank_pid:
+            status = st
+    kill_descendants(os.getpid())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:            # reap them (they are zombies here now)
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
+    if status is not None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):   # those two cannot be caught anyway
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)                  # end as the rank ended (SIGKILL, SIGSEGV...)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status) if status is not None else 1)
+
+
 def watchdog(parent_pid, store_dir):
     """``python -m zerolab._worker --watchdog PARENT_PID STORE_DIR``, commands on stdin, one a line:
     ``watch PGID`` (a rank's process group), ``exit`` (the parent stopped the ranks itself).
@@ -197,12 +235,16 @@ def main():
     from multiprocessing.connection import Connection
 
     _become_subreaper()               # first: before the rank's code can start anything
+    keeper, child = os.getpid(), os.fork()
+    if child:                         # this process keeps; the child runs the rank (see _keep)
+        _keep(child)
+    _become_subreaper()               # not inherited across fork
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     conn = Connection(int(os.environ["ZEROLAB_CONTROL_FD"]))
     worker_pid = os.getpid()
     threading.Thread(target=_exit_when_orphaned, daemon=True,
-                     args=(int(os.environ["ZEROLAB_PARENT_PID"]), os.environ["ZEROLAB_STORE_DIR"])).start()
+                     args=(keeper, os.environ["ZEROLAB_STORE_DIR"])).start()
 
     import cloudpickle
     setup = conn.recv()
