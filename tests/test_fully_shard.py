@@ -512,6 +512,24 @@ def test_a_sharded_parameter_refuses_a_whole_use_outside_its_unit(clusters):
         assert got["elementwise"]
 
 
+def torch_clip_on_shards():
+    import zerolab
+    model = _build("mlp")
+    fs = zerolab.fully_shard(model)
+    fs(*_data("mlp", model, 0, dist.get_rank())).backward()
+    try:
+        return torch.nn.utils.clip_grad_norm_(fs.parameters(), 1e-3).item()
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_torchs_clip_grad_norm_on_shards_is_refused(clusters):
+    """The issue-33 probe: on shards torch's norm is each rank's own (0.58 and 0.49 here), so the
+    ranks clipped differently, silently. zerolab.clip_grad_norm_(model, ...) is the right call."""
+    for got in clusters(2).run(torch_clip_on_shards):
+        assert isinstance(got, str) and "zerolab.clip_grad_norm_(model, max_norm)" in got, got
+
+
 def test_units_and_an_already_sharded_model_are_refused_clearly(clusters):
     def run():
         import zerolab
@@ -525,7 +543,7 @@ def test_units_and_an_already_sharded_model_are_refused_clearly(clusters):
                 zerolab.fully_shard(m, units=units)
                 out.append(f"accepted {units}")
             except ValueError as exc:
-                if fragment not in str(exc) or "each unit must be a submodule of the model" not in str(exc):
+                if fragment not in str(exc) or "units must be submodules of the model" not in str(exc):
                     out.append(str(exc))
         fs = zerolab.fully_shard(_build("mlp"))
         for again in (fs, fs.module):

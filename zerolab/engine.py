@@ -136,10 +136,30 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
     return options, opt_kwargs
 
 
+def sharded_by(model):
+    """What already sharded ``model``'s parameters, in words ("zerolab.fully_shard", "a zerolab stage 3
+    engine"), or None: the parameters of both are shards, or views of freed memory, which neither
+    can shard again. Read from the mark each puts on them (``_zerolab_sharded``) and, at stage 3
+    (which marks them before it may fail), from their memory: freed at rest."""
+    for p in model.parameters():
+        label = p.__dict__.get("_zerolab_sharded")
+        if label == "fully_shard" or "_zerolab_replaced" in p.__dict__:
+            return "zerolab.fully_shard"
+        if isinstance(label, str) and label.startswith("stage 3") and not p.is_meta and p.numel() \
+                and p.untyped_storage().nbytes() == 0:
+            return f"a zerolab {label} engine"
+    return None
+
+
 def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, reduce_impl, group):
     """ValueError naming the first bad value of the options every stage shares."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    holder = sharded_by(model)
+    if holder is not None:
+        raise ValueError(f"this model is already sharded by {holder}: each rank holds only its shards of the "
+                         f"parameters, so it cannot be given to initialize again. Build a fresh model (or load "
+                         f"the full state dict, e.g. engine.full_state_dict(), into one) and pass that")
     on_meta = meta_tensors(model)
     if on_meta and stage != 3:
         raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}) "
@@ -556,7 +576,8 @@ def cast_floats(obj, dtype):
 
 
 def _guard_torch_clipping():
-    """Make ``torch.nn.utils.clip_grad_norm_`` refuse the parameters of a ZeRO engine (stages 1-3).
+    """Make ``torch.nn.utils.clip_grad_norm_`` refuse the parameters of a ZeRO engine (stages 1-3)
+    and the shards of a :func:`zerolab.fully_shard` model (``_zerolab_sharded == "fully_shard"``).
     Between backward and step each rank holds only part of the averaged gradient there: at stage 1
     ``p.grad`` is this rank's LOCAL (unaveraged) gradient outside its shard, at stages 2-3 ``p.grad``
     is None, so torch's norm differs per rank (stage 1) or is 0 (stages 2-3), and training silently
@@ -572,6 +593,12 @@ def _guard_torch_clipping():
     def clip_grad_norm_(parameters, *args, **kwargs):
         params = [parameters] if torch.is_tensor(parameters) else list(parameters)
         sharded = next((getattr(p, "_zerolab_sharded") for p in params if hasattr(p, "_zerolab_sharded")), None)
+        if sharded == "fully_shard":
+            raise RuntimeError("torch.nn.utils.clip_grad_norm_ on the shards of a zerolab.fully_shard model would "
+                               "clip with a wrong norm: each rank holds only its rows of each averaged gradient, "
+                               "so the norm (and the clipping) would differ per rank. Call "
+                               "zerolab.clip_grad_norm_(model, max_norm) after backward instead: the global norm "
+                               "from every rank's shards, equal to torch's on one process")
         if sharded is not None:
             raise RuntimeError(f"torch.nn.utils.clip_grad_norm_ on the parameters of a zerolab {sharded} engine "
                                f"would clip with a wrong norm: each rank holds only its shard of the averaged "

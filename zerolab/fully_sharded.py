@@ -69,7 +69,7 @@ from zerolab.engine import OwnedGrads, cast_floats, check_same_model
 from zerolab.launch import rank_device
 from zerolab.meta_init import Materializer, check_init_options, meta_tensors
 from zerolab.shard_optim import master_dtype
-from zerolab.units import assign_params, module_name
+from zerolab.units import assign_params, check_units, module_name
 from zerolab.zero3 import register_pre_backward
 
 DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -297,20 +297,22 @@ class FullyShardedModule(nn.Module):
             names = [n for n, p in module.named_parameters() if id(p) in stray]
             raise ValueError(f"param_dtype={param_dtype} but {names[:4]} stay whole in their own dtype (in no "
                              f"unit): put them in a unit (add the model itself to units: the root)")
-        self.units = []
-        for unit_module, params in owners.items():                        # one unit at a time
-            if meta is not None:              # a meta model: only this unit's modules get memory now
-                meta.materialize([p for p, _ in params], unit=module_name(module, unit_module))
+        for unit_module, params in owners.items():      # refused before any parameter is replaced
             dtypes = {p.dtype for p, _ in params}
             if param_dtype is None and len(dtypes) > 1:
                 raise ValueError(f"unit {module_name(module, unit_module)!r} has parameters of several "
                                  f"dtypes {sorted(map(str, dtypes))}: pass param_dtype, or split the unit")
+        self.units = []
+        for unit_module, params in owners.items():                        # one unit at a time
+            if meta is not None:              # a meta model: only this unit's modules get memory now
+                meta.materialize([p for p, _ in params], unit=module_name(module, unit_module))
             dtype = param_dtype or params[0][0].dtype
             sharded = [_Sharded(p, where, self.rank, self.world_size, dtype) for p, where in params]
             unit_name = module_name(module, unit_module)
             for s, (p, where) in zip(sharded, params):
                 s.shard._zerolab_shard = ShardInfo(names[id(p)], unit_name, module_name(module, where[0][0]),
                                                    tuple(p.shape), self.rank, self.world_size)
+                s.shard._zerolab_sharded = "fully_shard"   # torch's clip_grad_norm_ refuses it (engine's guard)
                 s.install(s.shard)                                     # at rest: the shards
                 _replace(p, names[id(p)])         # what an optimizer built before holds: refuses, names the fix
             self.units.append(_Unit(module_name(module, unit_module), unit_module, sharded))
@@ -323,6 +325,7 @@ class FullyShardedModule(nn.Module):
             for t in frozen + list(module.buffers()):
                 if param_dtype is not None and t.is_floating_point():
                     t.data = t.data.to(param_dtype)                   # whole on every rank
+        engine._guard_torch_clipping()    # its norm over the shards would differ per rank: refused
         self._root = next((u for u in self.units if u.module is module), None)
         self._by_full = {id(s.full): u for u in self.units for s in u.params}
         for u in self.units:
@@ -544,7 +547,7 @@ def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, resha
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     if units is not None and not isinstance(units, (list, tuple)):
         raise ValueError(f"units must be None or a list of modules, got {type(units).__name__}")
-    check_units(model, units)
+    check_units(model, units, root=True)
     bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
     if bad:
         raise ValueError(f"parameters must be floating point; not so: {bad}")
@@ -563,37 +566,19 @@ def check_not_sharded(model):
     if isinstance(model, FullyShardedModule) or any(isinstance(p, (ShardParameter, ReplacedParameter))
                                                     for p in model.parameters()):
         raise ValueError("this model is already sharded by zerolab.fully_shard (its parameters are this rank's "
-                         "shards): call fully_shard once, on the plain model, listing the units in units=[...] "
+                         "shards, or were replaced by them in a call that failed part way): call fully_shard "
+                         "once, on a fresh plain model, listing the units in units=[...] "
                          "(the model itself among them for the root). FSDP2's nested calls (fully_shard(block) "
                          "for each block, then fully_shard(model)) are that one call here")
+    holder = engine.sharded_by(model)
+    if holder is not None:
+        raise ValueError(f"this model is already sharded by {holder} (its parameters are this rank's shards): "
+                         f"build a fresh model (or load engine.full_state_dict() into one) for fully_shard")
     for name, p in model.named_parameters():
         if type(p) is not nn.Parameter:
             raise ValueError(f"parameter {name!r} is a {type(p).__module__}.{type(p).__name__}, not a plain "
                              f"torch.nn.Parameter (a DTensor: the model is already sharded by torch's FSDP2 "
                              f"fully_shard?): zerolab.fully_shard takes a plain model, built as on one device")
-
-
-def check_units(model, units):
-    """ValueError naming the first entry of ``units`` that is not a submodule of ``model`` (or
-    ``model`` itself), and what a unit must be."""
-    if units is None:
-        return
-    inside = {id(m) for m in model.modules()}
-    params = {id(p): n for n, p in model.named_parameters()}
-    for i, u in enumerate(units):
-        if isinstance(u, nn.Module) and id(u) in inside:
-            continue
-        if isinstance(u, str):
-            what = f"the string {u!r} (a name: pass the module itself, model.get_submodule({u!r}))"
-        elif isinstance(u, torch.Tensor):
-            what = (f"parameter {params[id(u)]!r}" if id(u) in params else f"a {type(u).__name__}") + \
-                   f" of shape {tuple(u.shape)} (a unit is the module holding parameters, not a parameter)"
-        elif isinstance(u, nn.Module):
-            what = f"a {type(u).__name__} that is not part of this model"
-        else:
-            what = f"a {type(u).__name__} ({u!r:.60})"
-        raise ValueError(f"units[{i}] is {what}: each unit must be a submodule of the model (e.g. "
-                         f"model.blocks[0]) or the model itself (the root, for what no other unit holds)")
 
 
 def clip_grad_norm_(model, max_norm, norm_type=2.0):

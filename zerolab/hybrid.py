@@ -148,6 +148,11 @@ class HybridEngine(Zero3Engine):
                              f"HSDP reduces gradients inside the node, then all-reduces the shard across "
                              f"nodes; qgZ replaces ZeRO-3's reduce-scatter over ALL ranks. Use hpz=True "
                              f"(ZeRO++'s layout) or no mesh")
+        block = options.get("quantize_block", quantize.DEFAULT_BLOCK)
+        if block != quantize.DEFAULT_BLOCK and not options.get("quantize_weights") and qg is None:
+            raise ValueError(f"quantize_block={block} has no effect: nothing is quantized without "
+                             f"quantize_weights=True (qwZ) or quantize_gradients='int8' / 'int4' (qgZ). Pass one "
+                             f"of them, or leave quantize_block out")
         used = [k for k in HYBRID_OPTIONS if options.get(k) not in (None, False)]
         if used and options.get("ops") is not None:
             raise ValueError(f"ops= (your own ZeRO-3 primitives) cannot be combined with {used}: those options "
