@@ -31,10 +31,12 @@ Checkpoints (:mod:`zerolab.checkpoint`) use only the public methods :meth:`Engin
 saves and loads without touching the checkpoint code.
 """
 import contextlib
+import gc
 import hashlib
 import inspect
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -136,30 +138,35 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
     return options, opt_kwargs
 
 
-def sharded_by(model):
-    """What already sharded ``model``'s parameters, in words ("zerolab.fully_shard", "a zerolab stage 3
-    engine"), or None: the parameters of both are shards, or views of freed memory, which neither
-    can shard again. Read from the mark each puts on them (``_zerolab_sharded``) and, at stage 3
-    (which marks them before it may fail), from their memory: freed at rest."""
+def wrapped_by(model):
+    """What already wrapped ``model``, in words ("zerolab.fully_shard", "a zerolab stage 2 engine"), or
+    None. Its hooks (and at stage 3 and in fully_shard its shards) belong to that wrapper: a second
+    one would reduce every gradient twice or read freed shards. fully_shard marks the parameters
+    it replaced; every wrapper keeps a weak reference to itself on the model, dead once the wrapper
+    is gone (a construction that failed leaves nothing alive, after a garbage collection)."""
     for p in model.parameters():
-        label = p.__dict__.get("_zerolab_sharded")
-        if label == "fully_shard" or "_zerolab_replaced" in p.__dict__:
+        if p.__dict__.get("_zerolab_sharded") == "fully_shard" or "_zerolab_replaced" in p.__dict__:
             return "zerolab.fully_shard"
-        if isinstance(label, str) and label.startswith("stage 3") and not p.is_meta and p.numel() \
-                and p.untyped_storage().nbytes() == 0:
-            return f"a zerolab {label} engine"
-    return None
+    ref = model.__dict__.get("_zerolab_wrapper")
+    if ref is None or ref() is None:
+        return None
+    gc.collect()                           # a half-built wrapper may linger in a reference cycle
+    holder = ref()
+    if holder is None:
+        return None
+    return f"a zerolab {holder.label()} engine" if hasattr(holder, "label") else "zerolab.fully_shard"
 
 
 def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, reduce_impl, group):
     """ValueError naming the first bad value of the options every stage shares."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    holder = sharded_by(model)
+    holder = wrapped_by(model)
     if holder is not None:
-        raise ValueError(f"this model is already sharded by {holder}: each rank holds only its shards of the "
-                         f"parameters, so it cannot be given to initialize again. Build a fresh model (or load "
-                         f"the full state dict, e.g. engine.full_state_dict(), into one) and pass that")
+        raise ValueError(f"this model is already wrapped by {holder}: its hooks (and, sharded, its parameters) "
+                         f"belong to it, so a second engine would reduce gradients twice or read freed shards. "
+                         f"Build a fresh model (or load the full state dict, e.g. engine.full_state_dict(), "
+                         f"into one) and pass that")
     on_meta = meta_tensors(model)
     if on_meta and stage != 3:
         raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}) "
@@ -313,6 +320,7 @@ class Engine:
                  group=None, loss_scale=None, reduce_dtype=None, activation_checkpointing=None,
                  checkpoint_units=None, broadcast_buffers=True):
         self.module = module
+        module.__dict__["_zerolab_wrapper"] = weakref.ref(self)   # wrapped_by(): one wrapper per model
         self.broadcast_buffers = broadcast_buffers
         self.optimizer_class = optimizer
         self.opt_kwargs = dict(opt_kwargs)

@@ -55,6 +55,7 @@ tied by hand across units in the model's forward): RuntimeError naming the param
 and the fixes, where it would silently compute with a piece of the weight. FSDP2 gets the same
 from DTensor, which refuses to mix with plain tensors.
 """
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -283,6 +284,7 @@ class FullyShardedModule(nn.Module):
                  init_fn=None, init_seed=None):
         super().__init__()
         self.module, self.group, self.reshard_after_forward = module, group, reshard_after_forward
+        module.__dict__["_zerolab_wrapper"] = weakref.ref(self)      # engine.wrapped_by(): one wrapper
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reduce_impl = engine.default_reduce_impl(group)
@@ -570,10 +572,11 @@ def check_not_sharded(model):
                          "once, on a fresh plain model, listing the units in units=[...] "
                          "(the model itself among them for the root). FSDP2's nested calls (fully_shard(block) "
                          "for each block, then fully_shard(model)) are that one call here")
-    holder = engine.sharded_by(model)
+    holder = engine.wrapped_by(model)
     if holder is not None:
-        raise ValueError(f"this model is already sharded by {holder} (its parameters are this rank's shards): "
-                         f"build a fresh model (or load engine.full_state_dict() into one) for fully_shard")
+        raise ValueError(f"this model is already wrapped by {holder} (its hooks, and at stage 3 its shards, "
+                         f"belong to it): build a fresh model (or load engine.full_state_dict() into one) for "
+                         f"fully_shard")
     for name, p in model.named_parameters():
         if type(p) is not nn.Parameter:
             raise ValueError(f"parameter {name!r} is a {type(p).__module__}.{type(p).__name__}, not a plain "
