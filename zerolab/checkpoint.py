@@ -168,7 +168,8 @@ def save(engine, path, *, client_state=None):
     except Exception as exc:  # noqa: BLE001 - a lock in client_state...: every rank must learn it, not hang
         cause = (f"client_state cannot be saved ({type(exc).__name__}: {exc}): pass plain data (numbers, strings, "
                  f"tensors, lists and dicts of them; a scheduler's state_dict(), not the scheduler)"
-                 if rank == 0 and client_state is not None else f"its state cannot be pickled ({type(exc).__name__}: {exc})")
+                 if rank == 0 and client_state is not None
+                 else f"its state cannot be pickled ({type(exc).__name__}: {exc})")
     data = buf.getvalue()
     if rank == 0 and cause is None:
         try:

@@ -134,7 +134,8 @@ class ShardParameter(nn.Parameter):
     ``model.parameters()`` yields; optimizers, clipping, gradient scalers and state dicts use it
     as any parameter (elementwise, with tensors of its own shape). It refuses a WHOLE use: an
     operation of :data:`WHOLE_USES` (linear, embedding, matmul, a norm...) or ``.T``, or one that
-    mixes it with a tensor of another shape (``x * w``): outside its unit's forward it holds only
+    mixes it with a tensor of another shape and more than one element (``x * w``; a learning rate
+    held in a tensor is fine): outside its unit's forward it holds only
     a piece of the weight, so the result would be silently wrong. Results of operations on it are
     plain tensors (as nn.Parameter's)."""
 
@@ -151,7 +152,7 @@ class ShardParameter(nn.Parameter):
                 _refuse_whole_use(shards[0], f"{name}()")
             with torch._C.DisableTorchFunctionSubclass():
                 for t in pytree.tree_leaves((args, kwargs)):
-                    if isinstance(t, torch.Tensor) and not isinstance(t, ShardParameter) and t.dim() > 0:
+                    if isinstance(t, torch.Tensor) and not isinstance(t, ShardParameter) and t.numel() > 1:
                         for shard in shards:
                             if t.shape != shard.shape:
                                 _refuse_whole_use(shard, f"{name}() with a tensor of shape {tuple(t.shape)}")
@@ -229,8 +230,8 @@ def _replace(p, name):
 
 
 class _Sharded:
-    """A sharded parameter: ``shard`` (this rank's rows, an nn.Parameter in the original dtype, what
-    ``model.parameters()`` yields) and ``full`` (the compute-dtype parameter the module uses while
+    """A sharded parameter: ``shard`` (this rank's rows, a :class:`ShardParameter` in the original
+    dtype, what ``model.parameters()`` yields) and ``full`` (the compute-dtype parameter the module uses while
     its unit is gathered, a view of the first ``rows`` rows of its padded region of ``unit.full``)."""
 
     def __init__(self, p, where, rank, world_size, dtype):
@@ -289,9 +290,9 @@ class FullyShardedModule(nn.Module):
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reduce_impl = engine.default_reduce_impl(group)
         owners, self.replicated, frozen = assign_params(module, units)
-        names = {}
+        param_names = {}
         for n, p in module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), n)
+            param_names.setdefault(id(p), n)
         meta = Materializer(module, device=rank_device(), seed=init_seed or 0, init_fn=init_fn) \
             if meta_tensors(module) else None
         stray = {id(p) for p in self.replicated if p.dim() > 0 and param_dtype not in (None, p.dtype)}
@@ -312,11 +313,11 @@ class FullyShardedModule(nn.Module):
             sharded = [_Sharded(p, where, self.rank, self.world_size, dtype) for p, where in params]
             unit_name = module_name(module, unit_module)
             for s, (p, where) in zip(sharded, params):
-                s.shard._zerolab_shard = ShardInfo(names[id(p)], unit_name, module_name(module, where[0][0]),
+                s.shard._zerolab_shard = ShardInfo(param_names[id(p)], unit_name, module_name(module, where[0][0]),
                                                    tuple(p.shape), self.rank, self.world_size)
                 s.shard._zerolab_sharded = "fully_shard"   # torch's clip_grad_norm_ refuses it (engine's guard)
                 s.install(s.shard)                                     # at rest: the shards
-                _replace(p, names[id(p)])         # what an optimizer built before holds: refuses, names the fix
+                _replace(p, param_names[id(p)])   # what an optimizer built before holds: refuses, names the fix
             self.units.append(_Unit(module_name(module, unit_module), unit_module, sharded))
             self._free(self.units[-1])                                 # at rest: the shards only
             owners[unit_module] = None        # drop the whole parameters: the shards replace them
