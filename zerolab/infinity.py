@@ -293,8 +293,9 @@ class DiskOptimizer:
         checkpoint reads and writes this; :meth:`load_staged` writes it back to the disk). The copy
         is held only weakly here: it lives as long as the caller keeps it."""
         masters = [torch.zeros(s.numel(), dtype=self.dtype) for s in self.shards]
-        opt = type(self.optimizer)(masters, **{k: v for k, v in self.optimizer.param_groups[0].items()
-                                                if k != "params"})
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        opt = type(self.optimizer)(masters, lr=group["lr"])
+        opt.param_groups[0].update(group)              # every hyperparameter as the engine's (schedules too)
         steps = {self.chunked.steps_taken(k) for k in range(len(self.layout))}
         if len(steps) > 1:
             raise RuntimeError(f"DiskOptimizer: chunks at different step counts {sorted(steps)}")
