@@ -10,7 +10,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "zerolab"
 
 # Bottom to top, as in README.md's table of modules.
 LAYERS = [
-    ("ranks", {"launch", "_protocol", "_worker"}),
+    ("ranks", {"launch", "_protocol", "_worker", "_plain"}),
     ("collectives", {"comm", "ring", "mesh", "quantize"}),
     ("data structures", {"flat", "shard_optim", "memory", "activations", "data_parallel", "mixed_precision",
                          "meta_init", "units", "models"}),

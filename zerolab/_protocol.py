@@ -40,6 +40,10 @@ class StartupFailure(Exception):
         self.ranks, self.timed_out = ranks, timed_out
 
 
+class _Garbled(Exception):
+    """A plain-mode worker sent something that is not a well-formed reply."""
+
+
 class _Rank:
     """Parent-side handle of one worker: its process, control connection and output buffers."""
 
@@ -87,8 +91,10 @@ class Ranks:
     what was started is stopped and :class:`StartupFailure` (or the interrupt) is raised.
     """
 
-    def __init__(self, world_size, setup, env, store_dir):
+    def __init__(self, world_size, setup, env, store_dir, prefix=()):
         self.store_dir = store_dir
+        # Plain mode: each message from a worker is bytes read without unpickling (zerolab/_plain.py)
+        self.plain = bool(setup.get("plain"))
         self.owner = os.getpid()  # a forked copy of the parent must never stop our ranks
         self.ranks = []
         self._watchdog = self._watch = None
@@ -98,7 +104,7 @@ class Ranks:
                 parent_end, child_end = socket.socketpair()
                 env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank),
                            ZEROLAB_CONTROL_FD=str(child_end.fileno()))
-                proc = subprocess.Popen([sys.executable, "-m", "zerolab._worker"], env=env,
+                proc = subprocess.Popen([*prefix, sys.executable, "-m", "zerolab._worker"], env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, pass_fds=[child_end.fileno()],
                                         start_new_session=True)  # its own group: killpg ends it all
@@ -141,12 +147,32 @@ class Ranks:
             for conn in ready:
                 r = pending.pop(conn)
                 try:
-                    conn.recv()
-                except (EOFError, OSError):
+                    self._recv(conn)
+                except (EOFError, OSError, _Garbled):
                     r.proc.wait()
                     out = r.take_output(0, 2)
                     raise StartupFailure(f"rank {r.rank} failed to start (exit code {r.proc.returncode}):\n"
                                          + "\n".join(out["stderr"][-30:]), [r.rank], timed_out=False)
+
+    def _recv(self, conn):
+        """One message from a worker. In plain mode it is decoded without unpickling, and a message
+        that is not a well-formed reply ends the conversation as a dead rank would."""
+        if not self.plain:
+            return conn.recv()
+        from zerolab import _plain
+        try:
+            message = _plain.loads(conn.recv_bytes(_plain.MAX_BYTES))
+        except (EOFError, OSError):
+            raise
+        except Exception as exc:  # not plain data, too long, truncated: this rank is not trusted
+            raise _Garbled(f"{type(exc).__name__} on reading it") from None
+        if not (isinstance(message, tuple) and message and message[0] in ("ready", "ok", "err")
+                and (message[0] == "ready" or (len(message) == 3 and isinstance(message[1], int)))):
+            raise _Garbled(f"not a reply: {type(message).__name__}")
+        if message[0] == "err" and not (isinstance(message[2], dict) and all(
+                isinstance(message[2].get(k), str) for k in ("type", "message", "traceback"))):
+            raise _Garbled("an error reply without its type, message and traceback")
+        return message
 
     @property
     def pids(self):
@@ -161,7 +187,8 @@ class Ranks:
         """Wait for every rank's reply to run ``run_id``.
 
         Returns (replies, died, stuck): replies maps rank -> (kind, body) with kind "ok" (body: the
-        pickled result) or "err" (body: the remote error); died maps rank -> exit code; stuck
+        pickled result, or in plain mode the result itself) or "err" (body: the remote error); died
+        maps rank -> exit code (or a sentence, for a rank stopped for breaking the protocol); stuck
         lists the ranks still running when the deadline passed.
         """
         pending = {r.conn: r for r in self.ranks}
@@ -174,7 +201,15 @@ class Ranks:
             for conn in ready:
                 r = pending[conn]
                 try:
-                    kind, rid, body = conn.recv()
+                    kind, rid, body = self._recv(conn)
+                except _Garbled as exc:  # a plain-mode rank broke the protocol: stop it, say why
+                    del pending[conn]
+                    try:
+                        os.killpg(r.proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    died[r.rank] = f"stopped: it sent a reply that is not plain data, {exc}"
+                    continue
                 except (EOFError, OSError):
                     del pending[conn]
                     try:

@@ -4,8 +4,6 @@ rank), the largest model against the ZeRO papers' headline numbers (arXiv 1910.0
 arXiv 2101.06840)."""
 import pytest
 
-from zerolab.grade.helpers import exercise_module
-
 # The reference implementation of this exercise: a submission that uses it scores 0
 # (checked before and while the tests run, by zerolab.grade.references).
 REFERENCE_MODULES = ["zerolab.cost", "zerolab.calculator", "zerolab.calibrate"]
@@ -24,9 +22,9 @@ def _phase(n, s):
 
 
 @pytest.mark.points(3)
-def test_step_time_phase_by_phase():
+def test_step_time_phase_by_phase(student):
     """the cost model: each collective hides only under the phase it runs in"""
-    ex = exercise_module("ex07_cost_model")
+    ex = student.module("ex07_cost_model")
     psi, n = 0.5e9, 4                                        # S = 2 bytes x 0.5e9 = 1 GB per collective
     ph = _phase(n, 1e9)                                      # 0.75003 s
     for tokens in (1000, 20_000, 1_000_000):                 # comm-bound, in between, compute-bound
@@ -39,9 +37,9 @@ def test_step_time_phase_by_phase():
         }
         for stage, want in cases.items():
             got = ex.step_time(psi, n, stage, tokens_per_rank=tokens, **HW)
-            _close(got, want, f"step_time(stage {stage}, {tokens} tokens per rank)")
+            _close(got, want, f"ex.step_time(stage {stage}, {tokens} tokens per rank)")
         _close(ex.step_time(psi, n, 3, tokens_per_rank=tokens, prefetch=False, **HW), f + ph + max(b, 2 * ph),
-               f"step_time(stage 3, {tokens} tokens, prefetch=False): the forward gathers wait in front of each unit")
+               f"ex.step_time(stage 3, {tokens} tokens, prefetch=False): the forward gathers wait in front of each unit")
     _close(ex.step_time(psi, 8, 2, tokens_per_rank=1000, word_bytes=4, **HW),
            2 * psi * 1000 / 50e12 + max(4 * psi * 1000 / 50e12, _phase(8, 2e9)) + _phase(8, 2e9),
            "stage 2, fp32 words, N = 8")
@@ -51,22 +49,22 @@ def test_step_time_phase_by_phase():
 
 
 @pytest.mark.points(2)
-def test_largest_model_zero_paper():
+def test_largest_model_zero_paper(student):
     """derived: the ZeRO paper's largest models on 64 and 1024 V100s"""
-    ex = exercise_module("ex07_cost_model")
+    ex = student.module("ex07_cost_model")
     # ZeRO Table 2 / Fig. 1: 32 GB V100s, N = 64, model states only: 2B, 7.6B, 14.4B, 128B
     for stage, paper in enumerate([2.0e9, 7.6e9, 14.4e9, 128e9]):
         got = ex.largest_model(64, stage, 32e9)
         assert got == pytest.approx(paper, rel=0.01), (
-            f"largest_model(N=64, stage {stage}, 32 GB) = {got / 1e9:.2f}B; the ZeRO paper: {paper / 1e9:g}B")
+            f"ex.largest_model(N=64, stage {stage}, 32 GB) = {got / 1e9:.2f}B; the ZeRO paper: {paper / 1e9:g}B")
     got = ex.largest_model(1024, 3, 32e9)
     assert got >= 1e12, f"stage 3 on 1024 x 32 GB: {got / 1e12:.2f}T; the paper: a trillion parameters fit"
 
 
 @pytest.mark.points(2)
-def test_largest_model_zero_offload():
+def test_largest_model_zero_offload(student):
     """derived: ZeRO-Offload's 13B on one V100, and what stays on the device"""
-    ex = exercise_module("ex07_cost_model")
+    ex = student.module("ex07_cost_model")
     # ZeRO-Offload: one 32 GB V100, 13B with offload vs ~1.4B without. Model states alone: 2 bytes
     # per parameter stay on the device (32 GB / 2 = 16B) against 16 (2B).
     _close(ex.largest_model(1, 2, 32e9, offload=True), 16e9, "one GPU, stage 2 + offload, no reserve")

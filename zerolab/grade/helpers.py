@@ -23,8 +23,11 @@ import types
 from zerolab.grade.checkout import REPO
 from zerolab.grade.references import guard, runtime_check
 
-__all__ = ["REPO", "impl_dir", "use_impl", "exercise_module", "assert_close", "point_to_point_only",
-           "record_collectives", "live_storages", "new_bytes"]
+__all__ = ["REPO", "impl_dir", "use_impl", "exercise_module", "Student", "isolation", "assert_close",
+           "point_to_point_only", "record_collectives", "live_storages", "new_bytes"]
+
+TRUSTED_PID = "ZEROLAB_TRUSTED_PID"  # the process that decides verdicts: it never imports a submission
+SANDBOX = "ZEROLAB_SANDBOX"          # set by the grader: the sandbox spec submissions run in
 
 
 def impl_dir():
@@ -44,7 +47,16 @@ def use_impl(path):
 
 
 def exercise_module(name):
-    """Import exercise module ``name`` (e.g. 'ex00_collectives') from :func:`impl_dir`."""
+    """Import exercise module ``name`` (e.g. 'ex00_collectives') from :func:`impl_dir`.
+
+    Only in a process that runs the submission (a probe, through :class:`Student`): in the process
+    that decides the verdicts (``ZEROLAB_TRUSTED_PID``) it raises, because the submission's code
+    could then change the verdicts (patch pytest, the checks, the references)."""
+    if os.environ.get(TRUSTED_PID) == str(os.getpid()):
+        raise RuntimeError(f"exercise_module({name!r}) called in the process that decides the "
+                           f"verdicts: a graded test runs the submission only through a probe "
+                           f"(student.run(probe, ...) or student.on_ranks(n, probe, ...)) and checks "
+                           f"the plain data the probe returns")
     path = str(impl_dir())
     pkg = sys.modules.get("zerolab_impl")
     if pkg is None or list(pkg.__path__) != [path]:
@@ -72,6 +84,69 @@ def exercise_module(name):
     if refused:
         runtime_check(module, refused, allowed)
     return module
+
+
+def isolation():
+    """The :class:`zerolab.launch.Isolation` a submission's ranks run under: the grader's sandbox
+    when ``ZEROLAB_SANDBOX`` names its spec (set by ``zerolab grade``), else plain replies only
+    (pytest run by hand: ordinary processes, the same plain-data channel)."""
+    import sys
+
+    from zerolab.launch import Isolation
+    spec = os.environ.get(SANDBOX)
+    if not spec:
+        return Isolation()
+    scratch = json.loads(pathlib.Path(spec).read_text())["scratch"]
+    return Isolation(prefix=(sys.executable, "-m", "zerolab.grade.sandbox", spec), scratch=scratch)
+
+
+class Student:
+    """What a graded test uses to run the submission: ``run(probe, *args)`` in one process,
+    ``on_ranks(n, probe, *args)`` on n ranks (a list, rank order). The probe is a module-level
+    function of the test file; it imports the exercise (:func:`exercise_module`), runs it, and
+    returns plain data (tensors, numbers, str, bool, None, lists, tuples, dicts), which comes back
+    here without unpickling. The test then decides, here, from that data and from references it
+    computes itself. A failure on a rank fails the test with the rank's error. ``clusters``: a
+    callable world_size -> :class:`zerolab.Cluster` (isolated; see :func:`isolation`)."""
+
+    def __init__(self, clusters):
+        self._clusters = clusters
+
+    def run(self, probe, *args, **kwargs):
+        return self.on_ranks(1, probe, *args, **kwargs)[0]
+
+    def call(self, module, function, *args, **kwargs):
+        """``module.function(*args, **kwargs)`` of the submission, in one process; its return value
+        (plain data) comes back."""
+        return self.run(_call, module, function, args, kwargs)
+
+    def module(self, name):
+        """The exercise module ``name`` seen from here: ``student.module("ex07_cost_model").f(x)``
+        is ``student.call("ex07_cost_model", "f", x)`` (for exercises that are plain functions)."""
+        return _Remote(self, name)
+
+    def on_ranks(self, world_size, probe, *args, **kwargs):
+        import pytest
+
+        from zerolab.launch import RankError
+        try:
+            return self._clusters(world_size).run(probe, *args, **kwargs)
+        except RankError as exc:
+            pytest.fail(str(exc), pytrace=False)
+
+
+class _Remote:
+    def __init__(self, student, name):
+        self._student, self._name = student, name
+
+    def __getattr__(self, function):
+        if function.startswith("_"):
+            raise AttributeError(function)
+        return lambda *args, **kwargs: self._student.call(self._name, function, *args, **kwargs)
+
+
+def _call(module, function, args, kwargs):
+    return getattr(exercise_module(module), function)(*args, **kwargs)
 
 
 def assert_close(actual, expected, what, *, rtol=None, atol=None):
