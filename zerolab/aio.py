@@ -52,9 +52,10 @@ class BufferPool:
     """``count`` aligned host buffers of ``nbytes`` each, allocated once and reused (DeepSpeed's
     ``SwapBufferManager``; the paper's pinned memory management layer, Sec. 6.3). ``acquire()``
     hands one out (waiting while all are busy), ``release(buf)`` returns it. Thread-safe: an I/O
-    thread may release a buffer once its write has landed. ``high_water``: most buffers out at once."""
+    thread may release a buffer once its write has landed. ``high_water``: most buffers out at once.
+    ``timeout``: how long :meth:`acquire` waits by default before it calls the wait a leak."""
 
-    def __init__(self, count, nbytes):
+    def __init__(self, count, nbytes, *, timeout=60.0):
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ValueError(f"BufferPool: count={count!r} must be an int >= 1")
         self.nbytes = round_up(nbytes)
@@ -63,6 +64,7 @@ class BufferPool:
         self._index = {b.data_ptr(): i for i, b in enumerate(self.buffers)}
         self._cond = threading.Condition()
         self.high_water = 0
+        self.timeout = timeout
 
     @property
     def count(self):
@@ -77,9 +79,10 @@ class BufferPool:
         with self._cond:
             return self.count - len(self._free)
 
-    def acquire(self, timeout=60.0):
-        """A free buffer (waits while all are out). RuntimeError after ``timeout`` seconds: a buffer
-        that is never released (a leak) would otherwise hang the caller forever."""
+    def acquire(self, timeout=None):
+        """A free buffer (waits while all are out). RuntimeError after ``timeout`` seconds (default:
+        the pool's): a buffer that is never released (a leak) would otherwise hang the caller forever."""
+        timeout = self.timeout if timeout is None else timeout
         with self._cond:
             if not self._cond.wait_for(lambda: self._free, timeout=timeout):
                 raise RuntimeError(f"BufferPool: all {self.count} buffers are still in use after {timeout} s: "
