@@ -131,10 +131,53 @@ def test_what_stays_in_memory_is_the_pool_not_the_states(clusters, tmp_path, sta
         assert states <= disk["placement"]["disk"] <= states + padding, "one generation of records on disk"
 
 
+# -- stage 3: the parameters on disk too ---------------------------------------------------------
+def _params_on_disk(base):
+    """Stage 3 with the optimizer states AND the parameter shards on disk, float64 and bf16, against
+    the same stage in memory; the parameter bytes in RAM between steps; the shards read per step."""
+    out = {}
+    for dtype, pdt in ((torch.float64, None), (torch.float32, torch.bfloat16)):
+        common = dict(stage=3, dtype=dtype, param_dtype=pdt, lr=LR, fused=False)
+        plain = train("gpt", 3, **common)
+
+        def finish(engine):
+            swap = engine.param_swap
+            reads0 = swap.file.bytes_read
+            x, y = rank_batch("gpt", 9, dist.get_rank(), dist.get_world_size())
+            engine.backward(engine(x, y.clone()))
+            engine.zero_grad()                   # a forward and backward without a step
+            seen = {"state": engine.full_state_dict(), "report": {k: sum(v.values()) for k, v in engine.memory_report().items()},
+                    "resident": [swap.resident(u.index) for u in engine.units], "reads": swap.file.bytes_read - reads0,
+                    "param_bytes": sum(swap.nbytes), "placement": engine.placement(),
+                    "expected_reads": sum(-(-b // 4096) * 4096 * (1 if u.resident else 2)
+                                          for b, u in zip(swap.nbytes, engine.units))}
+            engine.close()
+            return seen
+        disk = train("gpt", 3, offload="disk", offload_path=_folder(base), swap_chunk=4096, offload_params=True,
+                     finish=finish, **common)
+        out[str(pdt)] = (plain, disk)
+    return out
+
+
+def test_stage3_parameters_on_disk_too(clusters, tmp_path):
+    """offload_params=True: bit-identical to stage 3 in memory (float64 and bf16, 2 ranks, 3 steps);
+    between steps no parameter shard is in memory (the census of memory_report: 0 bytes of params);
+    a forward + backward reads every unit's shard from disk before each of its all-gathers: twice, once
+    for the root unit (gathered for the whole step)."""
+    for rank, per in enumerate(clusters(2).run(_params_on_disk, str(tmp_path))):
+        for pdt, (plain, seen) in per.items():
+            want = {k: v for k, v in plain.items()}
+            assert_params([seen["state"]], want, f"rank {rank} {pdt} params on disk", exact=True)
+            assert seen["report"]["params"] == 0 and not any(seen["resident"]), (rank, pdt, seen["report"])
+            assert seen["reads"] == seen["expected_reads"], (rank, pdt, seen["reads"], seen["expected_reads"])
+            assert seen["placement"]["disk"] >= seen["param_bytes"]
+
+
 # -- checkpoints -------------------------------------------------------------------------------------
 def _train_ckpt(base, spec, until, *, load=None, save=None, **kw):
     stage, offload = spec
-    extra = {"offload_path": _folder(base), "swap_chunk": 1000} if offload == "disk" else {}
+    extra = {"offload_path": _folder(base), "swap_chunk": 2048, "offload_params": stage == 3} \
+        if offload == "disk" else {}
 
     def after(engine, step):
         if save and step + 1 == save[0]:
@@ -144,7 +187,8 @@ def _train_ckpt(base, spec, until, *, load=None, save=None, **kw):
 
 
 def test_checkpoints_reshard_with_states_on_disk(clusters, tmp_path):
-    """Lesson 09's format: save at step 2 on 2 ranks at stage 3 with the states on disk; resume on 1
+    """Lesson 09's format: save at step 2 on 2 ranks at stage 3 with the states (and the parameter
+    shards) on disk; resume on 1
     rank at stage 1 on disk and on 2 ranks at stage 2 in memory; save from memory and resume on disk.
     Each run lands on one process's float64 AdamW at step 4 (1e-10)."""
     expected = reference("gpt", SHARDS, 4, size=1, model_kw=GPT, lr=LR)
@@ -221,7 +265,8 @@ def _refusals(base):
     found = []
     cases = [dict(stage=2), dict(stage=2, offload_path=str(pathlib.Path(base) / "missing")),
              dict(stage=2, offload_path=str(pathlib.Path(base) / "afile")),
-             dict(stage=3, offload_path=base, offload_params=True),
+             dict(stage=2, offload_path=base, offload_params=True),
+             dict(stage=3, offload_path=base, offload_params=True, swap_chunk=3000),
              dict(stage=2, offload_path=base, buffer_count=1), dict(stage=2, offload_path=base, swap_chunk=0),
              dict(stage=2, offload_path=base, direct_io="yes"), dict(stage=0, offload_path=base),
              dict(stage=2, offload_path=base, optimizer=torch.optim.SGD),
@@ -248,7 +293,8 @@ def test_bad_input_is_refused_by_name(clusters, tmp_path):
     expected = ["offload='disk' needs offload_path=<folder on the local disk>",
                 "missing' does not exist: create the folder first",
                 "afile' exists and is not a folder",
-                "offload_params=True is not supported by stage 3 + disk offload",
+                "offload_params=True needs stage 3 (stage 2 + disk offload keeps every parameter whole",
+                "swap_chunk=3000 with offload_params=True: use a multiple of 2048",
                 "buffer_count=1 is not valid for stage 2 + disk offload: an int >= 2",
                 "swap_chunk=0 is not valid for stage 2 + disk offload: a positive int",
                 "direct_io='yes' is not valid for stage 2 + disk offload",

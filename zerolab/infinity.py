@@ -43,7 +43,7 @@ import weakref
 import torch
 
 from zerolab import comm
-from zerolab.aio import BufferPool, IOWorker
+from zerolab.aio import BufferPool, DiskFile, IOWorker, aligned_empty, round_up
 from zerolab.chunked import ChunkedOptimizer, state_fields
 from zerolab.engine import Option, Slot, gather_full, is_flag
 from zerolab.offload import HOST, _Offload, host_buffer
@@ -51,6 +51,7 @@ from zerolab.shard_optim import master_dtype
 from zerolab.swap import SwapError, SwapStore, check_folder
 from zerolab.zero1 import Zero1Engine
 from zerolab.zero2 import Zero2Engine
+from zerolab.units import GATHERING, READY
 from zerolab.zero3 import Zero3Engine
 
 
@@ -103,6 +104,8 @@ class DiskOptimizer:
         self.reader, self.writer = IOWorker("swap-read"), IOWorker("swap-write")
         self.bytes_to_host = self.bytes_to_device = 0
         self.last_step = None
+        self.on_chunk = None                                    # instrumentation: called after each chunk
+        self.params_on_disk = None                              # stage 3 + offload_params: a ParamSwap
         self._staging = lambda: None                            # a checkpoint's RAM copy (weak)
         self._finalizer = weakref.finalize(self, _remove_folder, self.store, (self.reader, self.writer), self.folder)
         self._write_initial(init)
@@ -159,6 +162,14 @@ class DiskOptimizer:
     def _views(self, buf, k):
         return self.store.views(buf, k)
 
+    def publish(self, s, lo, hi, values):
+        """New master values of shard s [lo, hi) into the compute-dtype shard (a cast), or, with the
+        parameters on disk, into their file (and the shard, if it is in memory now)."""
+        if self.params_on_disk is not None:
+            self.params_on_disk.store(s, lo, hi, values)
+        else:
+            self.shards[s][lo:hi].copy_(values)
+
     def _chunk_grad(self, k, inv_scale):
         s, lo, hi = self.layout[k]
         g = self.grads[s][lo:hi]
@@ -174,8 +185,10 @@ class DiskOptimizer:
         s, lo, hi = self.layout[k]
         v = self._views(buf, k)
         self.chunked.step_chunk(k, v["param"], {f: v[f] for f in self.chunked.fields}, self._chunk_grad(k, inv_scale))
-        self.shards[s][lo:hi].copy_(v["param"])   # cast into the device shard (the engine all-gathers it)
+        self.publish(s, lo, hi, v["param"])      # the new values into the device shard (then all-gathered)
         self.bytes_to_device += (hi - lo) * self.shards[s].element_size()
+        if self.on_chunk is not None:
+            self.on_chunk(k)
 
     @torch.no_grad()
     def step(self, grads=None, *, inv_scale=1.0):
@@ -191,9 +204,24 @@ class DiskOptimizer:
             if g is not self.grads[i]:
                 self._fresh[i] = True
                 self.to_host(i, g)
+        self._stream(lambda k, buf: self._update(k, buf, inv_scale), "disk optimizer step")
+        self._unread = False
+
+    @torch.no_grad()
+    def rewrite(self):
+        """Stream every record through the same pipeline WITHOUT updating it (read, write to the other
+        slot, commit: the state is unchanged): the disk's share of a step alone, for measuring how
+        much of a real step the I/O explains (``benchmarks/bench_infinity.py``)."""
+        self._stream(None, "disk rewrite")
+
+    def _stream(self, update, name):
+        """Read every record into a pool buffer (one ahead), ``update(k, buf)`` it, write it behind;
+        commit; on failure roll back (:meth:`_rollback`). Fills ``last_step``."""
         n = len(self.layout)
         steps_before = [self.chunked.steps_taken(k) for k in range(n)]
-        read0, write0 = len(self.reader.spans), len(self.writer.spans)
+        self.reader.spans.clear()                  # this step's spans only (they would grow forever)
+        self.writer.spans.clear()
+        read0 = write0 = 0
         bytes0 = (self.store.file.bytes_read, self.store.file.bytes_written)
         reads, writes, held, updates = collections.deque(), [], [], []
         t0 = time.perf_counter()
@@ -204,7 +232,7 @@ class DiskOptimizer:
             reads.append((k, buf, self.reader.submit(self.store.read, k, buf)))
 
         try:
-            with comm.span("disk optimizer step", "optimizer"):
+            with comm.span(name, "optimizer"):
                 if n:
                     start_read(0)
                 for k in range(n):
@@ -213,7 +241,8 @@ class DiskOptimizer:
                     if k + 1 < n:
                         start_read(k + 1)          # read ahead: overlaps the update of k
                     u0 = time.perf_counter()
-                    self._update(k, buf, inv_scale)
+                    if update is not None:
+                        update(k, buf)
                     updates.append((u0, time.perf_counter()))
                     fut = self.writer.submit(self.store.write, k, buf)     # write behind
                     held.remove(buf)
@@ -227,7 +256,6 @@ class DiskOptimizer:
         except BaseException:
             self._rollback(reads, writes, held, steps_before)
             raise
-        self._unread = False
         self.last_step = {
             "seconds": time.perf_counter() - t0, "chunks": n,
             "read_s": sum(b - a for a, b in self.reader.spans[read0:]),
@@ -274,7 +302,7 @@ class DiskOptimizer:
     def _reload_shards(self):
         for k, v in self._records():
             s, lo, hi = self.layout[k]
-            self.shards[s][lo:hi].copy_(v["param"])
+            self.publish(s, lo, hi, v["param"])
 
     @torch.no_grad()
     def master_shard(self, i):
@@ -334,7 +362,7 @@ class DiskOptimizer:
                     if step:
                         v[f].copy_(opt.state[masters[s]][f][lo:hi])
                 self.store.write(k, buf)
-                self.shards[s][lo:hi].copy_(v["param"])
+                self.publish(s, lo, hi, v["param"])
             self.store.commit()
         except BaseException:
             self.store.abandon()
@@ -369,6 +397,95 @@ class DiskOptimizer:
     def close(self):
         """Stop the I/O threads and delete the state file and its folder."""
         self._finalizer()
+
+
+class ParamSwap:
+    """Stage 3's parameter shards on disk (ZeRO-Infinity's parameter offload; DeepSpeed's
+    ``offload_param: {device: nvme}``, ``AsyncPartitionedParameterSwapper`` in
+    ``deepspeed/runtime/swap_tensor/partitioned_param_swapper.py``). Each unit's compute-dtype shard
+    has an aligned region in ``params.bin``; in memory it exists only from just before the unit's
+    all-gather until the unit is freed (:meth:`load`, :meth:`unload`), read ahead of use by
+    :meth:`read_ahead` into a pool of ``buffers`` aligned buffers. The optimizer writes each updated
+    chunk straight into the file (:meth:`store`). The file is not crash-safe by itself: the
+    parameters are the masters cast, and the masters are (:mod:`zerolab.swap`)."""
+
+    def __init__(self, units, folder, *, chunk, direct="auto", buffers=3):
+        self.units = units
+        self.dtype = units[0].shard.dtype
+        self.esize = units[0].shard.element_size()
+        self.nbytes = [u.shard.numel() * self.esize for u in units]
+        self.offsets = [sum(round_up(b) for b in self.nbytes[:i]) for i in range(len(units))]
+        size = self.offsets[-1] + round_up(self.nbytes[-1])
+        why = check_folder(folder, need=size)
+        if why:
+            raise SwapError(why)
+        self.file = DiskFile(pathlib.Path(folder) / "params.bin", direct=direct, create=True, size=size)
+        self.pool = BufferPool(buffers, max(round_up(b) for b in self.nbytes))
+        self.staging = aligned_empty(round_up(chunk * self.esize))
+        self.io = IOWorker("param-read")
+        self.inflight = {}                                  # unit index -> (buffer, future)
+        buf = self.pool.acquire()
+        try:
+            for i, u in enumerate(units):
+                buf[:self.nbytes[i]].copy_(u.shard.view(torch.uint8))
+                self.file.write(buf[:round_up(self.nbytes[i])], self.offsets[i])
+                self.unload(i)                              # from now on the file holds it
+        finally:
+            self.pool.release(buf)
+        self.file.sync()
+
+    def resident(self, i):
+        return self.units[i].shard.untyped_storage().nbytes() > 0
+
+    def _read(self, i, buf):
+        self.file.read(buf[:round_up(self.nbytes[i])], self.offsets[i])
+
+    def read_ahead(self, i):
+        """Start reading unit i's shard in the background (if not in memory, not on its way, and a
+        buffer is free: a full pool means the read happens on demand instead)."""
+        if not self.resident(i) and i not in self.inflight and self.pool.in_use() < self.pool.count:
+            buf = self.pool.acquire()
+            self.inflight[i] = (buf, self.io.submit(self._read, i, buf))
+
+    def load(self, i):
+        """Unit i's shard in memory (before its all-gather): wait for its read ahead, or read it now."""
+        if self.resident(i):
+            return
+        if i in self.inflight:
+            buf, fut = self.inflight.pop(i)
+            fut.result()
+        else:
+            buf = self.pool.acquire()
+            self._read(i, buf)
+        shard = self.units[i].shard
+        shard.untyped_storage().resize_(self.nbytes[i])
+        shard.view(torch.uint8).copy_(buf[:self.nbytes[i]])
+        self.pool.release(buf)
+
+    def unload(self, i):
+        self.units[i].shard.untyped_storage().resize_(0)   # the file has the current values
+
+    @torch.no_grad()
+    def store(self, i, lo, hi, values):
+        """Elements [lo, hi) of unit i's shard, new values (cast to the compute dtype), into the file
+        (at a 4 KiB-aligned offset: chunks start at multiples of 4096 / element size elements)."""
+        n = (hi - lo) * self.esize
+        self.staging[:n].view(self.dtype).copy_(values)
+        self.file.write(self.staging[:round_up(n)], self.offsets[i] + lo * self.esize)
+        if self.resident(i):
+            self.units[i].shard[lo:hi].copy_(values)
+
+    @property
+    def file_bytes(self):
+        return self.file.size()
+
+    def close(self):
+        for buf, fut in self.inflight.values():
+            fut.result()
+            self.pool.release(buf)
+        self.inflight.clear()
+        self.io.close()
+        self.file.close()
 
 
 class _Disk(_Offload):
@@ -407,10 +524,12 @@ class _Disk(_Offload):
         why = check_folder(options["offload_path"])
         if why:
             raise ValueError(why)
-        if options["offload_params"]:
-            raise ValueError(f"offload_params=True is not supported by {cls.label()}: zerolab keeps the "
-                             f"compute-dtype parameters in memory and offloads the optimizer states to disk "
-                             f"(DeepSpeed's offload_param: {{device: nvme}} is stage 3's parameter offload)")
+        if options["offload_params"] and cls.stage != 3:
+            raise ValueError(f"offload_params=True needs stage 3 ({cls.label()} keeps every parameter whole on "
+                             f"every rank; only stage 3 partitions them, so only its shards can live on disk)")
+        if options["offload_params"] and options["swap_chunk"] % 2048:
+            raise ValueError(f"swap_chunk={options['swap_chunk']} with offload_params=True: use a multiple of "
+                             f"2048 (each updated chunk of parameters is written at a 4 KiB-aligned offset)")
 
     @property
     def offload(self):
@@ -502,10 +621,62 @@ class Zero2DiskEngine(_Disk, Zero2Engine):
 
 class Zero3DiskEngine(_Disk, Zero3Engine):
     """ZeRO-3 + the optimizer states on disk (DeepSpeed's ``offload_optimizer: {device: nvme}`` at
-    stage 3, ZeRO-Infinity's optimizer offload)."""
+    stage 3, ZeRO-Infinity's optimizer offload); with ``offload_params=True`` the compute-dtype
+    parameter shards too (``offload_param: {device: nvme}``, :class:`ParamSwap`): a unit's shard is
+    read from disk just before its all-gather, one unit ahead of the gather prefetch, and dropped when
+    the unit is freed."""
+
+    def __init__(self, module, **kw):
+        self.param_swap = None                    # set before Zero3Engine frees its units in __init__
+        super().__init__(module, **kw)
+        if self.offload_params:
+            self.param_swap = ParamSwap(self.units, self.shard_optim.folder, chunk=self.swap_chunk,
+                                        direct=self.direct_io)
+            self.shard_optim.params_on_disk = self.param_swap
 
     def _keep_grad_shard(self, i, shard):
         self.shard_optim.to_host(i, shard)
 
     def _step_grads(self):
         return self.shard_optim.grads
+
+    def _gather(self, u, async_op=False):
+        if self.param_swap is not None and u.state != GATHERING and not (u.state == READY and not u.stale):
+            self.param_swap.load(u.index)         # the shard from disk, right before the all-gather
+        super()._gather(u, async_op)
+
+    def _free(self, u):
+        super()._free(u)
+        if self.param_swap is not None and not u.keep:
+            self.param_swap.unload(u.index)       # a kept unit keeps its shard: it is re-gathered in place
+
+    def _prefetch(self, order, after):
+        if self.param_swap is not None:
+            for j in order[after + 1:after + 3]:  # the next unit's shard and the one after: read ahead
+                self.param_swap.read_ahead(j)
+        super()._prefetch(order, after)
+
+    def disk_report(self):
+        out = super().disk_report()
+        if self.param_swap is not None:
+            out["param_bytes"] = sum(self.param_swap.nbytes)
+            out["file_bytes"] += self.param_swap.file_bytes
+            out["pool_bytes"] += self.param_swap.pool.total_bytes
+        return out
+
+    def placement(self):
+        out = super().placement()
+        if self.param_swap is not None:
+            out["disk"] += sum(self.param_swap.nbytes)
+        return out
+
+    def state_tensors(self):
+        out = super().state_tensors()
+        if self.param_swap is not None:
+            out["swap_buffers"] = out["swap_buffers"] + list(self.param_swap.pool.buffers) + [self.param_swap.staging]
+        return out
+
+    def close(self):
+        if self.param_swap is not None:
+            self.param_swap.close()
+        super().close()
