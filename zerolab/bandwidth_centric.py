@@ -66,33 +66,42 @@ def write_parameter(path, tensor):
 BLOCK = 1 << 20          # bytes per read request (DeepSpeed's default aio block_size)
 
 
-def _read(path, lo, hi, link):
-    """Bytes [lo, hi) of ``path`` (lo a multiple of 4 KiB) into a new aligned buffer, in 1 MiB
-    requests; with a ``link``, each request also crosses it (so a read takes about the longer of the
-    disk's time and the link's)."""
-    buf = aligned_empty(round_up(hi - lo))             # the file is padded to whole blocks
+def _read_into(path, buf, lo, nbytes, link, depth=1):
+    """Bytes [lo, lo + nbytes) of ``path`` into ``buf`` (aligned, whole 4 KiB blocks; the file is
+    padded to whole blocks) in 1 MiB requests, ``depth`` of them in flight (threads); with a ``link``,
+    each request also crosses it, so a read takes about the longer of the disk's time and the link's."""
     f = DiskFile(path, direct="auto")
-    try:
-        for off in range(0, buf.numel(), BLOCK):
+    offsets = list(range(0, round_up(nbytes), BLOCK))
+
+    def worker(j):
+        for off in offsets[j::depth]:
             part = buf[off:off + BLOCK]
             f.read(part, lo + off)
             if link is not None:
-                link.transfer(min(part.numel(), hi - lo - off))
+                link.transfer(min(part.numel(), nbytes - off))
+    try:
+        threads = [threading.Thread(target=worker, args=(j,)) for j in range(depth)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     finally:
         f.close()
-    return buf[:hi - lo]
 
 
-def owner_broadcast(path, numel, dtype, *, group=None, link=None):
-    """Rank 0 reads the whole parameter (``numel`` elements of ``dtype`` in ``path``), then broadcasts
-    it. Returns (the parameter, seconds reading, seconds total, bytes this rank read)."""
+def owner_broadcast(path, numel, dtype, *, group=None, link=None, depth=1):
+    """Rank 0 reads the whole parameter (``numel`` elements of ``dtype`` in ``path``; ``depth``
+    requests in flight), then broadcasts it. Returns (the parameter, seconds reading, seconds total,
+    bytes this rank read). The destination is allocated and touched before the clock starts."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    out = torch.empty(numel, dtype=dtype)
+    buf = aligned_empty(round_up(nbytes))
+    buf.zero_()
+    out = buf[:nbytes].view(dtype)
     dist.barrier(group=group)
     t0 = time.perf_counter()
     read = 0
     if dist.get_rank(group) == 0:
-        out.view(torch.uint8).copy_(_read(path, 0, nbytes, link))
+        _read_into(path, buf, 0, nbytes, link, depth)
         read = nbytes
     t_read = time.perf_counter() - t0
     comm.broadcast(out, src=0 if group is None else dist.get_global_rank(group, 0), group=group, tag="owner")
@@ -105,14 +114,14 @@ def sharded_allgather(path, numel, dtype, *, group=None, link=None):
     n, r = dist.get_world_size(group), dist.get_rank(group)
     esize = torch.empty((), dtype=dtype).element_size()
     per = round_up(-(-numel * esize // n))                 # bytes per rank, whole blocks
-    full = torch.zeros(per * n, dtype=torch.uint8)
+    full = aligned_empty(per * n)
+    full.zero_()
+    mine = full[r * per:(r + 1) * per]                     # this rank's slice: aligned, read in place
+    lo, hi = r * per, min((r + 1) * per, numel * esize)
     dist.barrier(group=group)
     t0 = time.perf_counter()
-    lo, hi = r * per, min((r + 1) * per, numel * esize)
-    mine = full[r * per:(r + 1) * per]
     if hi > lo:
-        mine[:hi - lo].copy_(_read(path, lo, hi, link))
+        _read_into(path, mine, lo, hi - lo, link)
     t_read = time.perf_counter() - t0
     comm.all_gather(full, mine, group=group, tag="bandwidth-centric")
     return full[:numel * esize].view(dtype), t_read, time.perf_counter() - t0, max(0, hi - lo)
-

@@ -58,6 +58,30 @@ def filesystem(path):
     return {"mount": best[0], "device": best[1], "fstype": best[2], "rotational": rotational}
 
 
+RAM_FILESYSTEMS = ("tmpfs", "ramfs", "devtmpfs")
+
+
+def scratch_folder(candidates):
+    """The first of ``candidates`` (folders) that exists, is writable and is on a DISK (not a RAM file
+    system such as tmpfs, which would make every "disk" number a memory number): (folder, its
+    :func:`filesystem`). ValueError naming each candidate and why not, if none is."""
+    import tempfile
+    refused = []
+    for folder in candidates:
+        if folder is None:
+            continue
+        folder = os.path.abspath(folder)
+        fs = filesystem(folder)
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            refused.append(f"{folder}: not a writable folder")
+        elif fs["fstype"] in RAM_FILESYSTEMS:
+            refused.append(f"{folder}: on {fs['fstype']}, which is RAM")
+        else:
+            return tempfile.mkdtemp(prefix="zerolab-scratch-", dir=folder), fs
+    raise ValueError("no folder on a disk to measure: " + "; ".join(refused) + ". Set ZEROLAB_SCRATCH to a "
+                     "folder on the local disk")
+
+
 def memcpy_bandwidth(nbytes=256 * MIB, repeats=5):
     """GB/s of one tensor copy of ``nbytes`` (bytes copied per second: each byte read once and
     written once), one per repeat, after a warm-up copy (page faults)."""
@@ -177,3 +201,47 @@ def request_size_sweep(folder, *, nbytes=64 * MIB, sizes=(ALIGN, 16 * 1024, 64 *
     finally:
         path.unlink(missing_ok=True)
     return out
+
+
+def optimizer_overlap(folder, numel, *, rounds=5, chunk=1 << 18, buffers=4):
+    """The disk-offloaded optimizer step against its two parts, in the same run: per round, in
+    alternating order, (1) a :class:`zerolab.infinity.DiskOptimizer` step over ``numel`` fp32
+    elements (read ahead, update, write behind, commit), (2) the same reads and writes without the
+    update (``DiskOptimizer.rewrite``: the disk's share alone), (3) the same chunked AdamW updates on
+    records already in RAM (the update's share alone). Returns {"step", "disk", "update": [seconds per
+    round], "ratio": [step / max(disk, update) per round], "bytes": per step, "chunks", "spans": the
+    last step's read / update / write spans, "direct": O_DIRECT in use}. Round 0 warms up, not counted."""
+    import shutil
+    import tempfile
+
+    from zerolab.chunked import ChunkedOptimizer
+    from zerolab.infinity import DiskOptimizer
+    work = tempfile.mkdtemp(dir=folder, prefix=".zerolab-overlap-")
+    d = DiskOptimizer(torch.zeros(numel), torch.optim.AdamW, folder=work, swap_chunk=chunk,
+                      buffer_count=buffers, lr=1e-3)
+    try:
+        d.grads[0].normal_(generator=torch.Generator().manual_seed(0))
+        alone = ChunkedOptimizer(torch.optim.AdamW, len(d.layout), torch.float32, fused=d.fused, lr=1e-3)
+        records = [torch.zeros(3 * chunk) for _ in range(2)]
+
+        def update_alone():
+            for k, (_, lo, hi) in enumerate(d.layout):
+                r = records[k % 2]
+                alone.step_chunk(k, r[:hi - lo], {"exp_avg": r[chunk:chunk + hi - lo],
+                                                  "exp_avg_sq": r[2 * chunk:2 * chunk + hi - lo]}, d.grads[0][lo:hi])
+        runs = {"step": lambda: d.step(), "disk": d.rewrite, "update": update_alone}
+        out = {name: [] for name in runs}
+        for r in range(rounds + 1):
+            for name in (list(runs) if r % 2 else list(runs)[::-1]):
+                t0 = time.perf_counter()
+                runs[name]()
+                if r:
+                    out[name].append(time.perf_counter() - t0)
+        d.step()
+        out["ratio"] = [s / max(a, b) for s, a, b in zip(out["step"], out["disk"], out["update"])]
+        out["bytes"] = d.last_step["bytes_read"] + d.last_step["bytes_written"]
+        out["chunks"], out["spans"], out["direct"] = len(d.layout), d.last_step["spans"], d.store.file.direct
+        return out
+    finally:
+        d.close()
+        shutil.rmtree(work, ignore_errors=True)
