@@ -35,13 +35,14 @@ def _closed(engine):
     return state
 
 
-def _disk_vs_plain(base):
-    """(stage, precision, kernel) -> (plain state, disk state) on this rank; several chunks per shard.
-    The stage-3 engines are closed explicitly, the others left to the garbage collector."""
+def _disk_vs_plain(base, every_case):
+    """(stage, precision, kernel) -> (plain state, disk state) on this rank; several chunks per shard
+    (``every_case``: bf16 and the fused kernel too, else float64 with the for-loop kernel). The
+    stage-3 engines are closed explicitly, the others left to the garbage collector."""
     out, path = {}, _folder(base)
     for stage in (1, 2, 3):
-        for dtype, pdt in ((torch.float64, None), (torch.float32, torch.bfloat16)):
-            for kernel in ({"fused": False}, {"fused": True}):
+        for dtype, pdt in ((torch.float64, None), (torch.float32, torch.bfloat16))[:2 if every_case else 1]:
+            for kernel in ({"fused": False}, {"fused": True})[:2 if every_case else 1]:
                 common = dict(stage=stage, dtype=dtype, param_dtype=pdt, lr=LR, bucket_bytes=40000, **kernel)
                 plain = train("gpt", 3, **common)
                 disk = train("gpt", 3, offload="disk", offload_path=path, swap_chunk=5000,
@@ -55,10 +56,11 @@ def _disk_vs_plain(base):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bit_identical_to_the_same_stage_without_offload(clusters, tmp_path, world_size):
     """Stages 1, 2 (several buckets) and 3, float64 and bf16-mixed, torch's for-loop and fused CPU
-    AdamW, 3 steps, several chunks per shard (and 2 swap buffers at stage 2): every parameter bit for
-    bit what the same stage computes with its states in memory. The swap folders are gone after
-    close() or garbage collection."""
-    for rank, (per_case, leftover) in enumerate(clusters(world_size).run(_disk_vs_plain, str(tmp_path))):
+    AdamW (on 3 ranks: float64, for-loop), 3 steps, several chunks per shard (and 2 swap buffers at
+    stage 2): every parameter bit for bit what the same stage computes with its states in memory. The
+    swap folders are gone after close() or garbage collection."""
+    for rank, (per_case, leftover) in enumerate(clusters(world_size).run(_disk_vs_plain, str(tmp_path),
+                                                                         world_size == 2)):
         assert leftover == [], f"rank {rank}: swap files left behind: {leftover}"
         for (stage, pdt, fused), (plain, disk) in per_case.items():
             assert_params([disk], plain, f"rank {rank} stage {stage} {pdt} fused={fused} N={world_size}",
@@ -129,6 +131,23 @@ def test_what_stays_in_memory_is_the_pool_not_the_states(clusters, tmp_path, sta
         assert disk["report"]["swap_buffers"] >= disk["pool"]
         padding = disk["shards"] * 3 * 4096 * 8            # each shard's last record is a whole chunk
         assert states <= disk["placement"]["disk"] <= states + padding, "one generation of records on disk"
+
+
+def _fp16_scaled(base):
+    common = dict(stage=2, dtype=torch.float32, param_dtype=torch.float16, loss_scale="dynamic", lr=LR,
+                  fused=False, bucket_bytes=40000)
+    plain = train("gpt", 3, **common)
+    disk = train("gpt", 3, offload="disk", offload_path=_folder(base), swap_chunk=5000,
+                 finish=lambda e: (e.full_state_dict(), e.scaler.scale_value, e.close())[:2], **common)
+    return plain, disk
+
+
+def test_fp16_loss_scaling_with_the_states_on_disk(clusters, tmp_path):
+    """fp16 with dynamic loss scaling (the gradient unscaled into the chunk workspace, never in place):
+    bit-identical to stage 2 in memory."""
+    for rank, (plain, (disk, scale)) in enumerate(clusters(2).run(_fp16_scaled, str(tmp_path))):
+        assert_params([disk], plain, f"rank {rank} fp16 + loss scale, disk", exact=True)
+        assert scale > 1
 
 
 # -- stage 3: the parameters on disk too ---------------------------------------------------------

@@ -584,7 +584,10 @@ class _Disk(_Offload):
 
     def param_slots(self):
         """Slots over a RAM copy of the committed state (:meth:`DiskOptimizer.staged`), which a
-        checkpoint save reads and a load writes; :meth:`reload_from_masters` then writes it to disk."""
+        checkpoint save reads and a load writes; :meth:`reload_from_masters` then writes it to disk.
+        So a save or a load holds this rank's master and moments in RAM while it runs (as lesson 09's
+        writer holds its payload): the memory bound of the disk tier is a bound between checkpoints.
+        DeepSpeed instead copies its swap folder into the checkpoint (``offloaded_tensors``)."""
         staged, slots = {}, []
         for flat, d, i in self.shards():
             if d not in staged:

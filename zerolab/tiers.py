@@ -222,13 +222,15 @@ def optimizer_overlap(folder, numel, *, rounds=5, chunk=1 << 18, buffers=4):
     try:
         d.grads[0].normal_(generator=torch.Generator().manual_seed(0))
         alone = ChunkedOptimizer(torch.optim.AdamW, len(d.layout), torch.float32, fused=d.fused, lr=1e-3)
-        records = [torch.zeros(3 * chunk) for _ in range(2)]
+        records = [torch.zeros(3 * chunk) for _ in d.layout]
+        shard = torch.zeros(numel)
 
         def update_alone():
             for k, (_, lo, hi) in enumerate(d.layout):
-                r = records[k % 2]
+                r = records[k]
                 alone.step_chunk(k, r[:hi - lo], {"exp_avg": r[chunk:chunk + hi - lo],
                                                   "exp_avg_sq": r[2 * chunk:2 * chunk + hi - lo]}, d.grads[0][lo:hi])
+                shard[lo:hi].copy_(r[:hi - lo])
         runs = {"step": lambda: d.step(), "disk": d.rewrite, "update": update_alone}
         out = {name: [] for name in runs}
         for r in range(rounds + 1):
