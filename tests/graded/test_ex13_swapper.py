@@ -164,7 +164,7 @@ def _probe_overlap(pairs, io_s, compute_s):
     """Paired, alternating-order step times: the submission's step and the serial one, each on its
     own SwappedAdam, on the same emulated disk and emulated compute."""
     import time
-    numel, chunk = 10 * 1024, 1024
+    numel, chunk = 6 * 1024, 1024
     theirs, _ = _build(numel, "float64", chunk=chunk, buffers=3, read_s=io_s, write_s=io_s, compute_s=compute_s)
     serial, _ = _build(numel, "float64", chunk=chunk, buffers=3, read_s=io_s, write_s=io_s, compute_s=compute_s)
     grads = _grads(numel, 2 * pairs + 1, torch.float64)
@@ -188,7 +188,7 @@ def _probe_memory(steps):
     import gc
 
     from zerolab.grade.helpers import live_storages
-    numel, chunk = 12 * 4096, 4096
+    numel, chunk = 6 * 4096, 4096
     opt, _ = _build(numel, "float64", chunk=chunk, buffers=3, read_s=0.002, write_s=0.002)
     real_update, state = opt.update, {}
 
@@ -291,14 +291,14 @@ def test_a_failed_step_leaves_the_old_state(student):
 def test_read_ahead_and_write_behind_overlap(student):
     """overlap: on an emulated disk, the step against the grader's serial swapper, the median of five
     paired, alternating-order ratios"""
-    io_s = compute_s = 0.012
+    io_s = compute_s = 0.05          # long beside a busy machine's thread wake-ups (a few ms each)
     times = student.run(_probe_overlap, 5, io_s, compute_s)
-    floor = 10 * (2 * io_s + compute_s)
+    floor = 6 * (2 * io_s + compute_s)
     assert min(times["serial"]) >= 0.95 * floor, f"the emulated disk did not slow the serial step: {times['serial']}"
     ratios = sorted(s / b for s, b in zip(times["student"], times["serial"]))
     median = statistics.median(ratios)
-    # Read ahead + update + write behind all at once: ~(10 + 2) x 12 ms against 10 x 36 ms, a ratio of
-    # ~0.4; reading ahead with a write that blocks the update, or waiting for each read at once: ~0.7.
+    # Read ahead + update + write behind all at once: ~(6 + 2) x 50 ms against 6 x 150 ms, a ratio of
+    # ~0.44; reading ahead with a write that blocks the update, or waiting for each read at once: ~0.72.
     assert median <= 0.6, (f"the step takes {median:.2f} x the serial one (ratios {[round(r, 2) for r in ratios]}; "
                            f"fully overlapped ~0.4, one thing at a time 1.0): while chunk i is updated, the "
                            f"read of chunk i + 1 and the write of chunk i - 1 must both be in flight")
@@ -308,7 +308,7 @@ def test_read_ahead_and_write_behind_overlap(student):
 def test_memory_stays_within_the_pool(student):
     """memory: a census at every update, every transfer through a pool buffer, each record read and
     written once"""
-    got = student.run(_probe_memory, 2)
+    got = student.run(_probe_memory, 1)
     record, n = got["record_bytes"], got["chunks"]
     pool = [(ptr, size) for ptr, size in got["pool"]]
     assert got["high_water"] <= len(pool), f"the pool's high-water mark {got['high_water']} > {len(pool)} buffers"
