@@ -442,8 +442,9 @@ class ParamSwap:
 
     def read_ahead(self, i):
         """Start reading unit i's shard in the background (if not in memory, not on its way, and a
-        buffer is free: a full pool means the read happens on demand instead)."""
-        if not self.resident(i) and i not in self.inflight and self.pool.in_use() < self.pool.count:
+        buffer is free beyond the one kept for a read on demand: a read ahead that is never used
+        cannot block the unit that is needed)."""
+        if not self.resident(i) and i not in self.inflight and self.pool.in_use() < self.pool.count - 1:
             buf = self.pool.acquire()
             self.inflight[i] = (buf, self.io.submit(self._read, i, buf))
 
@@ -469,6 +470,10 @@ class ParamSwap:
     def store(self, i, lo, hi, values):
         """Elements [lo, hi) of unit i's shard, new values (cast to the compute dtype), into the file
         (at a 4 KiB-aligned offset: chunks start at multiples of 4096 / element size elements)."""
+        if i in self.inflight:                              # a read ahead of the old values: drop it
+            buf, fut = self.inflight.pop(i)
+            fut.result()
+            self.pool.release(buf)
         n = (hi - lo) * self.esize
         self.staging[:n].view(self.dtype).copy_(values)
         self.file.write(self.staging[:round_up(n)], self.offsets[i] + lo * self.esize)
