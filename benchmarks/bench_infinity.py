@@ -55,38 +55,10 @@ def ceilings(folder, repeats):
 
 
 def optimizer_alone(folder, mparams, repeats):
-    """{step, disk, update: [seconds]}, bytes per step, chunks: the step and its two parts, alternating."""
-    from zerolab.chunked import ChunkedOptimizer
-    from zerolab.infinity import DiskOptimizer
+    """zerolab.tiers.optimizer_overlap on whole chunks of ~mparams million fp32 elements."""
+    from zerolab import tiers
     numel = max(1, round(mparams * 1e6 / CHUNK)) * CHUNK          # whole chunks: no padding in the count
-    shard = torch.zeros(numel)
-    work = pathlib.Path(tempfile.mkdtemp(dir=folder, prefix=".bench-infinity-"))
-    d = DiskOptimizer(shard, torch.optim.AdamW, folder=work, swap_chunk=CHUNK, buffer_count=4, lr=1e-3)
-    try:
-        d.grads[0].normal_(generator=torch.Generator().manual_seed(0))
-        # the update alone: the same chunks, the same kernel, records already in memory
-        alone = ChunkedOptimizer(torch.optim.AdamW, len(d.layout), torch.float32, lr=1e-3, fused=d.fused)
-        rec = [torch.zeros(3 * CHUNK) for _ in range(2)]
-
-        def update_alone():
-            for k, (_, lo, hi) in enumerate(d.layout):
-                r = rec[k % 2]
-                alone.step_chunk(k, r[:hi - lo], {"exp_avg": r[CHUNK:CHUNK + hi - lo],
-                                                  "exp_avg_sq": r[2 * CHUNK:2 * CHUNK + hi - lo]}, d.grads[0][lo:hi])
-        runs = {"step": lambda: d.step(), "disk": d.rewrite, "update": update_alone}
-        times = {k: [] for k in runs}
-        for r in range(repeats + 1):                # round 0 warms up: page faults, lazy state, threads
-            for name in (list(runs) if r % 2 else list(runs)[::-1]):
-                t0 = time.perf_counter()
-                runs[name]()
-                if r:
-                    times[name].append(time.perf_counter() - t0)
-        d.step()
-        moved = d.last_step["bytes_read"] + d.last_step["bytes_written"]
-        return times, moved, len(d.layout), d.store.file.direct, d.pool.total_bytes
-    finally:
-        d.close()
-        shutil.rmtree(work, ignore_errors=True)
+    return tiers.optimizer_overlap(folder, numel, rounds=repeats, chunk=CHUNK)
 
 
 def _engine_steps(folder, steps):
@@ -155,7 +127,7 @@ def engine_steps(folder, world_size, steps):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mparams", type=float, default=4.0)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--folder", default=str(HERE.parent))
@@ -163,9 +135,9 @@ def main(argv=None):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
 
     ceil = ceilings(args.folder, args.repeats)
-    times, moved, chunks, direct, pool = optimizer_alone(args.folder, args.mparams, args.repeats)
-    # each round's three runs sit side by side: its ratio, then the median over the rounds
-    ratios = [s / max(d, u) for s, d, u in zip(times["step"], times["disk"], times["update"])]
+    times = optimizer_alone(args.folder, args.mparams, args.repeats)
+    moved, chunks, pool = times["bytes"], times["chunks"], 4 * 3 * CHUNK * 4
+    ratios = times["ratio"]                     # each round's three runs side by side, then the median
     ratio = _med(ratios)[0]
     eng = engine_steps(args.folder, args.world_size, args.steps)
 

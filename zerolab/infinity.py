@@ -23,7 +23,10 @@ states: the memory bound of the disk tier. Each step commits atomically (:mod:`z
 This module adds ``initialize(..., stage=1, 2 or 3, offload="disk", offload_path=FOLDER)``:
 :class:`DiskOptimizer` (the streaming optimizer) and :class:`Zero1DiskEngine`,
 :class:`Zero2DiskEngine`, :class:`Zero3DiskEngine` (the offload engines of :mod:`zerolab.offload`
-with the disk optimizer in place of the host one). DeepSpeed swaps optimizer states to NVMe at stage
+with the disk optimizer in place of the host one); at stage 3, ``offload_params=True`` puts the
+compute-dtype parameter shards on disk too (:class:`ParamSwap`: each read just before its unit's
+all-gather, read ahead beside the gather prefetch). Options (checked once, ``_Disk.OPTIONS``):
+``offload_path``, ``swap_chunk``, ``buffer_count``, ``direct_io``, ``offload_params``. DeepSpeed swaps optimizer states to NVMe at stage
 3 only (``swap_optimizer`` in ``deepspeed/runtime/zero/stage3.py``); at stages 1 and 2 its
 ``offload_optimizer: {device: nvme}`` keeps them in CPU memory (``stage_1_and_2.py`` sets
 ``cpu_offload = True`` for any device other than none). zerolab streams them at every stage.
