@@ -1,4 +1,4 @@
-"""python -m benchmarks.bench_infinity [--mparams 4] [--repeats 5] [--world-size 2] [--folder DIR]
+"""python -m benchmarks.bench_infinity [--mparams 4] [--repeats 5] [--rounds 15] [--world-size 2] [--folder DIR]
 
 ZeRO-Infinity's optimizer offload to disk (arXiv 2104.07857), measured on this machine in one run:
 
@@ -7,7 +7,7 @@ ZeRO-Infinity's optimizer offload to disk (arXiv 2104.07857), measured on this m
    requests. Medians of ``--repeats`` runs with their range: disk numbers vary up to 2x.
 2. The disk optimizer step alone (one process): Adam over ``--mparams`` million fp32 elements whose
    master and moments (12 bytes each) live in a swap file, streamed through 4 aligned buffers; beside
-   it, in the same run and in alternating order, its two parts alone: the disk's share (the same
+   it, in the same run and in alternating order (``--rounds`` rounds), its two parts alone: the disk's share (the same
    reads and writes, no update: ``DiskOptimizer.rewrite``) and the update's (the same chunked AdamW on
    records already in RAM). The overlap target: step <= 1.25 x max(disk alone, update alone). The
    bytes moved per step are read from the file's counters (24 bytes per element).
@@ -127,7 +127,8 @@ def engine_steps(folder, world_size, steps):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mparams", type=float, default=4.0)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=5, help="runs of each ceiling")
+    ap.add_argument("--rounds", type=int, default=15, help="rounds of the step against its two parts")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--folder", default=str(HERE.parent))
@@ -135,7 +136,7 @@ def main(argv=None):
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
 
     ceil = ceilings(args.folder, args.repeats)
-    times = optimizer_alone(args.folder, args.mparams, args.repeats)
+    times = optimizer_alone(args.folder, args.mparams, args.rounds)
     moved, chunks, pool = times["bytes"], times["chunks"], 4 * 3 * CHUNK * 4
     ratios = times["ratio"]                     # each round's three runs side by side, then the median
     ratio = _med(ratios)[0]
@@ -145,7 +146,8 @@ def main(argv=None):
     rows = ["## ZeRO-Infinity: the optimizer states on disk (bench_infinity)\n",
             f"Swap folder on `{fs['device']}` ({fs['fstype']}); O_DIRECT "
             f"{'in use' if ceil['direct_ok'] else 'refused: ' + ceil['why'] + ' (buffered I/O, the page cache dropped after each sync)'}."
-            f" Medians of {args.repeats} runs (range in brackets).\n",
+            f" Medians of {args.repeats} runs of each ceiling, {args.rounds} rounds of the optimizer step "
+            f"(range in brackets).\n",
             "### 1. The ceilings (GB/s)\n", "| tier | GB/s |", "|---|---:|",
             f"| RAM: tensor copy (bytes copied per second) | {_fmt(ceil['memcpy'])} |"]
     for name in ("write O_DIRECT", "read O_DIRECT", "read O_DIRECT, queue depth 4", "write buffered",
