@@ -187,7 +187,7 @@ def _probe_memory(settle_to):
     seen = []
 
     def census(p):                            # runs after the exercise's hooks for p (registered later)
-        seen.append(new_bytes(baseline, [q.grad for q in params], settle_to=settle_to, settle_s=0.2))
+        seen.append(new_bytes(baseline, [q.grad for q in params], settle_to=settle_to, settle_s=1.0))
 
     for p in params:
         p.register_post_accumulate_grad_hook(census)
