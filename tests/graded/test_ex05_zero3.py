@@ -366,11 +366,13 @@ def test_gradient_shards_with_accumulation(student, name):
     a parameter no forward uses); after finish() every unit freed, no .grad left"""
     want_units = [u for u, _, _ in _units(name)]
     for rank, got in enumerate(student.on_ranks(N, _probe_values, name, 2)):
-        assert got["units"] == want_units, f"rank {rank}: units {got['units']}; the given constructor builds {want_units}"
+        assert got["units"] == want_units, (f"rank {rank}: units {got['units']}; the given constructor builds "
+                                            f"{want_units}")
         for u, shard, want in zip(want_units, got["shards"], _expected_shards(name, range(N), rank, 2)):
             _close(shard, want, f"{name}: rank {rank}: gradient shard of unit {u} after two backward passes")
         assert not got["whole"], f"{name}: rank {rank}: after finish() these units are still whole: {got['whole']}"
-        assert not got["grads"], f"{name}: rank {rank}: after finish() these parameters still hold a .grad: {got['grads'][:4]}"
+        assert not got["grads"], (f"{name}: rank {rank}: after finish() these parameters still hold a .grad: "
+                                  f"{got['grads'][:4]}")
 
 
 @pytest.mark.points(3)
@@ -391,7 +393,8 @@ def test_what_is_whole_when(student):
                     f"computes on its gathered parameters only once its all-gather is complete")
             extra = [u for u in others if u != nxt]
             assert not extra, (
-                f"rank {rank}: {where}, {extra} {'was' if len(extra) == 1 else 'were'} whole too (whole: {s['whole']}): "
+                f"rank {rank}: {where}, {extra} {'was' if len(extra) == 1 else 'were'} whole too "
+                f"(whole: {s['whole']}): "
                 f"besides the root and the computing block, only the next block to compute ({nxt}) may be whole; "
                 f"a block done with for now must be freed, and only the next one prefetched")
             idle = [u for u in others if u not in tr.gathering(s["t"])]
@@ -468,9 +471,10 @@ def test_reduce_scatters_in_flight_and_bounded(student):
         for unit, label in order:
             c, s = rs.get(unit), moments.get(label)
             assert c is not None and s is not None, f"rank {rank}: no reduce-scatter of {unit}, or no moment {label}"
+            state = ("not started yet" if c["t_start"] > s["t"] else "already waited for" if c["async"]
+                     else "blocking")
             assert tr.in_flight(c, s["t"]), (
-                f"rank {rank}: {_where(s)} (the next unit's backward), the reduce-scatter of {unit} was "
-                f"{'not started yet' if c['t_start'] > s['t'] else 'already waited for' if c['async'] else 'blocking'}: "
+                f"rank {rank}: {_where(s)} (the next unit's backward), the reduce-scatter of {unit} was {state}: "
                 f"start it asynchronously when the unit's gradients are complete, and wait for it only when "
                 f"you must, so that it runs while backward computes")
 
@@ -495,7 +499,8 @@ def test_gradients_released_and_memory_bound(student):
                     f"units were alive; the gradients allowed then (the root's, the arriving unit's and the one "
                     f"before it in backward, full size) are at most {bounds[s['label']]}: a gradient buffer (or a "
                     f".grad) kept longer than needed, or allocated before it is needed")
-        assert not tr.got["whole_after"], f"rank {rank}: after finish() these units are still whole: {tr.got['whole_after']}"
+        assert not tr.got["whole_after"], (f"rank {rank}: after finish() these units are still whole: "
+                                           f"{tr.got['whole_after']}")
         assert not tr.got["grads_after"], f"rank {rank}: after finish() .grad left on {tr.got['grads_after'][:4]}"
 
 
@@ -507,14 +512,16 @@ def test_without_prefetch(student):
     for rank, tr in enumerate(traces):
         for s, block, _, _ in tr.computing():
             extra = [u for u in s["whole"] if u not in (tr.root, block)]
-            assert not extra, (f"rank {rank}: with prefetch=False, {_where(s)}, {extra} {'was' if len(extra) == 1 else 'were'} "
+            were = "was" if len(extra) == 1 else "were"
+            assert not extra, (f"rank {rank}: with prefetch=False, {_where(s)}, {extra} {were} "
                                f"whole too: without prefetch only the computing block is")
             flying = tr.gathering(s["t"])
             assert not flying, (f"rank {rank}: with prefetch=False, {_where(s)}, the all-gather of {flying} was in "
                                 f"flight: without prefetch a block is gathered when it is needed, and waited for")
         want_counts = {tr.root: 1, **{b: 2 for b in tr.blocks}}
         got = {u: len(tr.gathers(u)) for u in want_counts}
-        assert got == want_counts, f"rank {rank}: with prefetch=False, all-gathers per unit {got}; expected {want_counts}"
+        assert got == want_counts, (f"rank {rank}: with prefetch=False, all-gathers per unit {got}; expected "
+                                    f"{want_counts}")
         for u, shard, w in zip(tr.got["units"], tr.got["shards"], _expected_shards("ladder", range(N), rank, 1)):
             _close(shard, w, f"rank {rank}: with prefetch=False, gradient shard of unit {u}")
 
@@ -544,7 +551,7 @@ def test_traffic_ratio_derived(student, clusters):
     model = models.build("gpt", seed=0)
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
     root = sum(p.numel() for p in dict.fromkeys(model.parameters())) - sum(blocks)
-    got = student.run(_probe_ratios, [(b, r) for b, r, _ in cases] + [(blocks, root)])
+    got = student.on_ranks(N, _probe_ratios, [(b, r) for b, r, _ in cases] + [(blocks, root)])[0]   # live ranks
     for (b, r, want), g in zip(cases, got):
         assert g == pytest.approx(want, rel=1e-12), f"traffic_ratio({b}, root={r}) = {g}; by hand {want}"
     measured = clusters(N).run(engine_bytes)[0]
