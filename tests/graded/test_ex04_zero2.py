@@ -195,7 +195,13 @@ def _probe_memory(settle_to):
     # Not gradients: the parameters' flat buffer, grad_shard, and what the forward created. Whatever
     # else the exercise allocated, in its constructor or later, counts.
     baseline = dict(before)
-    baseline.update({k: v for k, v in live_storages().items() if k not in constructed})
+    seen_after, forward = [], {}
+    for k, v in live_storages(seen_after).items():
+        if k not in constructed:
+            forward[k] = v
+    hold += [t.untyped_storage() for t in seen_after if _storage(t) in forward]   # addresses stay taken
+    del seen_after                            # (it holds every tensor: the exercise's may go)
+    baseline.update(forward)
     baseline.update({_storage(grads.flat.data): 0, _storage(grads.grad_shard): 0})
     loss.backward()
     grads.finish()

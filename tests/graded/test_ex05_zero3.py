@@ -226,7 +226,7 @@ def _probe_trace(prefetch, bounds):
     with record_collectives() as rec:
         loss = model(x, y)
         baseline.update({_storage(t): 0 for t in (loss, x, y)})
-        baseline.update(_activations())          # what autograd saved for backward: not gradients
+        baseline.update(_activations(hold))      # what autograd saved for backward: not gradients
         census[0] = True
         loss.backward()
         census[0] = False
@@ -238,13 +238,15 @@ def _probe_trace(prefetch, bounds):
             "grads_after": [k for _, k, p in params if p.grad is not None]}
 
 
-def _activations():
-    """Storages of the tensors autograd's graph holds now (outputs of operations, saved for backward)."""
+def _activations(hold):
+    """Storages of the tensors autograd's graph holds now (outputs of operations, saved for backward);
+    ``hold`` gets the storages, kept alive so that no later buffer takes one's address."""
     import gc
     out = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
             out[_storage(obj)] = 0
+            hold.append(obj.untyped_storage())
     return out
 
 
