@@ -16,8 +16,11 @@ PIP_ARGS ?=
 PORT ?= 8888
 # Extra JupyterLab options for `make lab`, e.g. LAB_ARGS=--no-browser
 LAB_ARGS ?=
+# The lessons' language for `make lab`: en, or zh (the Chinese edition, README.zh-CN.md). Not LANG:
+# that is the locale every program here reads.
+COURSE_LANG ?= en
 
-.PHONY: lab test test-fast grade bench demo notebooks clean setup site slides
+.PHONY: lab test test-fast grade bench demo notebooks clean setup site slides zh
 
 setup: $(STAMP) $(LAB_SETTINGS)
 
@@ -37,8 +40,12 @@ $(VENV)/etc/jupyter/labconfig/page_config.json: tools/jupyter/page_config.json $
 
 # Opens lesson 00 (LabApp.default_url: a file named on the command line does not open in JupyterLab 4).
 # As root (a container, typically) JupyterLab refuses to start without --allow-root.
+# COURSE_LANG=zh: the Chinese lessons built into build/zh/notebooks/ (with the English of those not
+# yet translated); a lesson you ran there is never overwritten by the next build.
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --port=$(PORT) \
+	@case '$(COURSE_LANG)' in en|zh) ;; *) echo "make lab: COURSE_LANG=$(COURSE_LANG) is not a language of the course: use en or zh" >&2; exit 2;; esac
+	$(if $(filter zh,$(COURSE_LANG)),$(PY) tools/i18n.py build --with-english --out build/zh)
+	$(VENV)/bin/jupyter lab --notebook-dir=$(if $(filter zh,$(COURSE_LANG)),build/zh/notebooks,notebooks) --port=$(PORT) \
 		--LabApp.default_url=/lab/tree/00_collectives.ipynb $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 # Unit + multi-process tests, graded tests on solutions/ (must pass) and on the untouched
@@ -63,6 +70,12 @@ bench: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m zerolab demo
+
+# The Chinese edition: each lesson with a translation (i18n/zh_CN/*.po) into build/zh/notebooks/, code
+# cells and outputs the English's by construction. `make test` runs the gate (tests/test_i18n.py);
+# `python tools/i18n.py check` prints what is stale, `python tools/i18n.py update` merges English edits.
+zh: setup
+	$(PY) tools/i18n.py build --out build/zh
 
 # Re-execute every notebook top to bottom and save its outputs (after editing a lesson).
 notebooks: $(STAMP)

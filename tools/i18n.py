@@ -590,30 +590,34 @@ def init(notebook, *, lang="zh_CN", repo=REPO):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lang", default="zh_CN", choices=LANGS)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--lang", default="zh_CN", choices=LANGS)
+    common.add_argument("--repo", default=str(REPO), help="the checkout (default: this one)")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="the CI gate: exit 1 on anything stale, missing or wrong")
-    sub.add_parser("update", help="merge the English's changes into every existing .po")
-    p_init = sub.add_parser("init", help="an empty .po for a lesson not yet translated")
+    sub.add_parser("check", parents=[common], help="the CI gate: exit 1 on anything stale, missing or wrong")
+    sub.add_parser("update", parents=[common], help="merge the English's changes into every existing .po")
+    p_init = sub.add_parser("init", parents=[common], help="an empty .po for a lesson not yet translated")
     p_init.add_argument("notebook")
-    p_build = sub.add_parser("build", help="the translated notebooks, into OUT/notebooks")
-    p_build.add_argument("--out", default=str(REPO / "build" / "zh"))
+    p_build = sub.add_parser("build", parents=[common], help="the translated notebooks, into OUT/notebooks")
+    p_build.add_argument("--out", default=None, help="default: REPO/build/zh")
     p_build.add_argument("--with-english", action="store_true",
                          help="also the lessons not yet translated, in English")
     args = parser.parse_args(argv)
+    repo = pathlib.Path(args.repo)
     if args.command == "check":
-        report = check(lang=args.lang)
+        report = check(lang=args.lang, repo=repo)
         print(format_report(report, args.lang))
         return 0 if report.ok else 1
     if args.command == "update":
-        update(lang=args.lang)
+        update(lang=args.lang, repo=repo)
         return 0
     if args.command == "init":
-        print(init(args.notebook, lang=args.lang))
+        print(init(args.notebook, lang=args.lang, repo=repo))
         return 0
-    written = build(args.out, lang=args.lang, with_english=args.with_english)
-    report = check(lang=args.lang)
-    print(f"built {len(written)} notebook(s) into {pathlib.Path(args.out) / 'notebooks'}"
+    out = pathlib.Path(args.out) if args.out else repo / "build" / "zh"
+    written = build(out, lang=args.lang, with_english=args.with_english, repo=repo)
+    report = check(lang=args.lang, repo=repo)
+    print(f"built {len(written)} notebook(s) into {out / 'notebooks'}"
           + (f"; not yet translated: {', '.join(report.untranslated_notebooks)}"
              if report.untranslated_notebooks else ""))
     return 0
