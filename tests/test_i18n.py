@@ -128,9 +128,13 @@ def test_removed_new_and_split_cells(tmp_path):
     assert po["c0ffee02"].msgstr == "" and not po["c0ffee02"].obsolete           # new: untranslated
     assert po["33e2f39f"].obsolete and po["33e2f39f"].msgstr                       # removed: obsolete
     assert "fuzzy" in po[first].flags and po[first].previous_msgid == text         # shortened: fuzzy
-    # the new half is offered the whole translation of the cell it was cut from
-    assert "fuzzy" in po["c0ffee01"].flags and po["c0ffee01"].msgstr == po[first].msgstr
-    assert po["c0ffee01"].previous_msgctxt == f"{LESSON}#{first}"
+    # each half is offered its part of the translation, cut at the same heading, for review
+    assert "fuzzy" in po["c0ffee01"].flags and po["c0ffee01"].previous_msgctxt == f"{LESSON}#{first}"
+    assert po["c0ffee01"].msgstr.startswith("## 2. ") and "四个进程" not in po["c0ffee01"].msgstr
+    assert po[first].msgstr.startswith("四个进程") and "## 2." not in po[first].msgstr
+    assert i18n.cut_translation("a\n\n## B\nb", "甲\n\n## 乙\n乙乙", "## B\nb") == "## 乙\n乙乙"
+    assert i18n.cut_translation("a\n\n## B\nb", "甲乙乙", "## B\nb") is None      # headings lost
+    assert i18n.cut_translation("a\n\n## B\nb", "甲\n\n## 乙\n乙乙", "## B\nc") is None   # not a cut
     report = i18n.check(repo=repo)
     kinds = {(w.split("#")[1], what.split(":")[0]) for w, what in report.problems}
     assert kinds == {("c0ffee02", "untranslated"), ("33e2f39f", "obsolete"), (first, "stale"),

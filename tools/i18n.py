@@ -16,8 +16,9 @@ lesson, ``i18n/<lang>/<notebook stem>.po``, with one entry per markdown cell:
 Because the English text is the key, any edit of the English makes its entry stale: ``update``
 marks it fuzzy and keeps the English it was translated from (``#| msgid``), so the translator sees
 the English diff; a cell that no longer exists becomes obsolete (``#~``); a new cell is
-untranslated, or fuzzy with the translation of the cell it was cut from (a cell split in two keeps
-the whole translation on both halves, to be cut). Cells tagged ``presenter-notes`` (generated from
+untranslated, or fuzzy with the translation of the cell it was cut from: a cell split at its
+headings (as tools/slides.py splits them) gets, on each part, the translation cut at the same
+headings, to be reviewed; otherwise the most similar old cell's whole translation. Cells tagged ``presenter-notes`` (generated from
 presenter/*.md) and empty cells are not translated: the build keeps them as they are.
 
 ``build`` copies each English notebook that has a .po and replaces the ``source`` of each markdown
@@ -156,6 +157,36 @@ def _similar(new, old):
     return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
 
 
+def _sections(text):
+    """``text`` cut before each markdown heading (outside fenced code): the pieces, in order."""
+    pieces, current, fenced = [], [], False
+    for line in text.splitlines(keepends=True):
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6}\s", line) and current:
+            pieces.append("".join(current))
+            current = []
+        current.append(line)
+    pieces.append("".join(current))
+    return pieces
+
+
+def cut_translation(old_english, translation, new_english):
+    """The part of ``translation`` that translates ``new_english`` when that is a run of whole
+    sections of ``old_english`` (a cell split at its headings, as tools/slides.py splits them), or
+    None. The translation keeps the English's headings (the gate checks it), so section k of one is
+    section k of the other."""
+    en, zh = _sections(old_english), _sections(translation)
+    if len(en) != len(zh) or len(en) < 2:
+        return None
+    want = new_english.strip()
+    for i in range(len(en)):
+        for j in range(i + 1, len(en) + 1):
+            if (i, j) != (0, len(en)) and "".join(en[i:j]).strip() == want:
+                return "".join(zh[i:j]).strip("\n")
+    return None
+
+
 def merge(po, entries, stem):
     """The catalog ``update`` writes: ``entries`` ([(msgctxt, msgid)] from the English) in order,
     each carrying what ``po`` knew about it. Returns a new POFile; ``po`` is left as it was."""
@@ -182,14 +213,19 @@ def merge(po, entries, stem):
                     else prev.msgid
                 if prev.previous_msgctxt:
                     entry.previous_msgctxt = prev.previous_msgctxt
+                elif "fuzzy" not in prev.flags:      # shortened by a split: keep its own sections
+                    entry.msgstr = cut_translation(prev.msgid, prev.msgstr, msgid) or prev.msgstr
         elif prev is None and donors:
-            best = max(donors, key=lambda e: _similar(msgid, e.previous_msgid or e.msgid if
-                                                      "fuzzy" in e.flags else e.msgid))
-            source_text = best.previous_msgid if "fuzzy" in best.flags and best.previous_msgid else best.msgid
-            if _similar(msgid, source_text) >= 0.6:
-                entry.msgstr = best.msgstr
+            def source_of(e):
+                return e.previous_msgid if "fuzzy" in e.flags and e.previous_msgid else e.msgid
+            # a donor whose sections this cell is, else the most similar English
+            cuts = [(e, cut_translation(source_of(e), e.msgstr, msgid)) for e in donors]
+            cuts = [(e, c) for e, c in cuts if c]
+            best = cuts[0][0] if cuts else max(donors, key=lambda e: _similar(msgid, source_of(e)))
+            if cuts or _similar(msgid, source_of(best)) >= 0.6:
+                entry.msgstr = cuts[0][1] if cuts else best.msgstr
                 entry.flags.append("fuzzy")
-                entry.previous_msgid = source_text
+                entry.previous_msgid = source_of(best)
                 entry.previous_msgctxt = best.previous_msgctxt or best.msgctxt
         out.append(entry)
     for e in list(old.values()) + list(old_obsolete.values()):
