@@ -265,3 +265,11 @@ def test_a_catalog_without_its_notebook_fails(tmp_path):
     repo = _copy(tmp_path)
     shutil.copy(repo / "i18n" / "zh_CN" / f"{LESSON}.po", repo / "i18n" / "zh_CN" / "99_gone.po")
     assert any("99_gone" in what for _, what in i18n.check(repo=repo).problems)
+
+
+def test_emphasis_that_does_not_render_in_chinese_fails():
+    """CommonMark's flanking rules: a closing ** after Chinese punctuation and before a Chinese
+    character stays two literal asterisks. The gate renders each translation and refuses that."""
+    assert i18n.markup_problems("**Learning goals.** After", "**学习目标。** 学完") == []
+    found = i18n.markup_problems("**Learning goals.** After", "**学习目标。**学完")
+    assert any("renders with literal ['**']" in p for p in found), found

@@ -268,9 +268,22 @@ def markup(text):
     }
 
 
+def _rendered_leftovers(text):
+    """Emphasis and code marks that CommonMark left as literal characters: in Chinese, ``**粗体**，``
+    renders but a closing ``**`` after punctuation and before a letter does not (the flanking rules)."""
+    from markdown_it import MarkdownIt
+    html = MarkdownIt("commonmark").enable("table").render(MATH.sub(" ", text))
+    html = re.sub(r"<code>.*?</code>|<pre>.*?</pre>", " ", html, flags=re.S)
+    return sorted(set(re.findall(r"\*+|_{2,}|`+", html)))
+
+
 def markup_problems(msgid, msgstr):
     en, zh = markup(msgid), markup(msgstr)
     problems = []
+    left = [m for m in _rendered_leftovers(msgstr) if m not in _rendered_leftovers(msgid)]
+    if left:
+        problems.append(f"renders with literal {left}: an emphasis or code mark does not close "
+                        f"(in Chinese put a space or no punctuation next to the closing mark)")
     for kind in ("fenced code", "inline code", "math", "link targets"):
         missing = [x for x in dict.fromkeys(en[kind]) if x not in zh[kind]]
         if missing:
