@@ -224,6 +224,8 @@ def test_glossary_rules(tmp_path):
     # collectives, ZeRO and rank stay in English
     assert problems("a ring all-reduce", "环形全规约", rules)
     assert problems("ZeRO shards states", "零冗余优化器对状态分片", rules)
+    assert problems("ZeRO-1 shards states", "零冗余优化器第一阶段对状态分片", rules)
+    assert problems("ZeRO-1 shards states", "ZeRO-1 对状态分片", rules) == []
     assert problems("every rank", "每个进程", rules)
     assert problems("every rank", "每个 rank", rules) == []
     assert problems("a shard", "一个碎片，分片", rules) == ["'碎片': the glossary says 分片 for 'shard'"]

@@ -256,7 +256,7 @@ def _strip_fences(text):
 def markup(text):
     """What a translation must carry over unchanged."""
     body = _strip_fences(text)
-    code_spans = [m.group(2).strip() for m in CODE.finditer(body)]
+    code_spans = [" ".join(m.group(2).split()) for m in CODE.finditer(body)]   # as CommonMark reads them
     rest = CODE.sub(" ", body)
     return {
         "fenced code": [m.group(0) for m in FENCE.finditer(text)],
@@ -316,10 +316,10 @@ class Rule:
 
 def _term_pattern(term, case_sensitive):
     words = [re.escape(w) for w in re.split(r"[ -]", term)]
-    body = r"[ -]".join(words)
+    body = r"(?:\s+|-)".join(words)      # a line break may fall between the words
     # whole words, English endings allowed (shard -> sharded, sharding); not inside a longer
     # hyphenated name (offload in ZeRO-Offload)
-    return re.compile(rf"(?<![\w-]){body}[a-z]*(?![\w-])", 0 if case_sensitive else re.I)
+    return re.compile(rf"(?<![\w-]){body}[a-z]*(?!\w)", 0 if case_sensitive else re.I)
 
 
 def load_glossary(path):
