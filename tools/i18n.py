@@ -355,14 +355,15 @@ def glossary_problems(msgid, msgstr, rules):
     zh = msgstr if msgstr is not None else ""
     problems = []
     for rule in rules:
-        if rule.pattern.search(text):
-            text = rule.pattern.sub(lambda m: " " * len(m.group(0)), text)   # consumed
-            have = zh if rule.case_sensitive else zh.lower()
-            need = rule.required if rule.case_sensitive else rule.required.lower()
-            if need not in have:
-                how = "keeps it in English" if rule.keep else f"says {rule.required}"
-                problems.append(f"the English says {rule.term!r}: the glossary {how}, the translation does not")
-        for bad in rule.avoid:
+        if not rule.pattern.search(text):
+            continue
+        text = rule.pattern.sub(lambda m: " " * len(m.group(0)), text)   # consumed
+        have = zh if rule.case_sensitive else zh.lower()
+        need = rule.required if rule.case_sensitive else rule.required.lower()
+        if need not in have:
+            how = "keeps it in English" if rule.keep else f"says {rule.required}"
+            problems.append(f"the English says {rule.term!r}: the glossary {how}, the translation does not")
+        for bad in rule.avoid:          # only where the English uses the term: 碎片 is fine for fragmentation
             if bad in zh:
                 problems.append(f"{bad!r}: the glossary says {rule.required} for {rule.term!r}")
     return problems
