@@ -141,6 +141,15 @@ def test_removed_new_and_split_cells(tmp_path):
     kinds = {(w.split("#")[1], what.split(":")[0]) for w, what in report.problems}
     assert kinds == {("c0ffee02", "untranslated"), ("33e2f39f", "obsolete"), (first, "stale"),
                      ("c0ffee01", "stale")}
+    # --accept-splits: the exact cuts are current; what is really new or gone still fails
+    shutil.copy(ROOT / "i18n" / "zh_CN" / f"{LESSON}.po", repo / "i18n" / "zh_CN")
+    i18n.update(repo=repo, say=lambda *a: None, accept_splits=True)
+    kinds = {(w.split("#")[1], what.split(":")[0]) for w, what in i18n.check(repo=repo).problems}
+    assert kinds == {("c0ffee02", "untranslated"), ("33e2f39f", "obsolete")}
+    built = i18n.build_notebook(i18n.read_notebook(repo / "notebooks" / f"{LESSON}.ipynb"),
+                                i18n.load_catalog(repo / "i18n" / "zh_CN" / f"{LESSON}.po"), LESSON)
+    assert i18n.source(_cell(built, "c0ffee01")).startswith("## 2. ")
+    assert i18n.source(_cell(built, first)).startswith("四个进程")
 
 
 def test_a_zh_build_cannot_change_a_code_cell(tmp_path):

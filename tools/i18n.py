@@ -18,7 +18,8 @@ marks it fuzzy and keeps the English it was translated from (``#| msgid``), so t
 the English diff; a cell that no longer exists becomes obsolete (``#~``); a new cell is
 untranslated, or fuzzy with the translation of the cell it was cut from: a cell split at its
 headings (as tools/slides.py splits them) gets, on each part, the translation cut at the same
-headings, to be reviewed; otherwise the most similar old cell's whole translation. Cells tagged ``presenter-notes`` (generated from
+headings, to be reviewed (``update --accept-splits`` takes such exact cuts as current); otherwise
+the most similar old cell's whole translation. Cells tagged ``presenter-notes`` (generated from
 presenter/*.md) and empty cells are not translated: the build keeps them as they are.
 
 ``build`` copies each English notebook that has a .po and replaces the ``source`` of each markdown
@@ -187,9 +188,12 @@ def cut_translation(old_english, translation, new_english):
     return None
 
 
-def merge(po, entries, stem):
+def merge(po, entries, stem, *, accept_splits=False):
     """The catalog ``update`` writes: ``entries`` ([(msgctxt, msgid)] from the English) in order,
-    each carrying what ``po`` knew about it. Returns a new POFile; ``po`` is left as it was."""
+    each carrying what ``po`` knew about it. Returns a new POFile; ``po`` is left as it was.
+    ``accept_splits``: a cell whose English is exactly a run of whole sections of a translated
+    cell's English (a split at headings, nothing else changed) takes the same sections of its
+    translation as current, not fuzzy."""
     out = new_catalog(stem, po.metadata.get("Language", "zh_CN") if po is not None else "zh_CN")
     if po is not None:
         out.metadata.update(po.metadata)
@@ -214,7 +218,11 @@ def merge(po, entries, stem):
                 if prev.previous_msgctxt:
                     entry.previous_msgctxt = prev.previous_msgctxt
                 elif "fuzzy" not in prev.flags:      # shortened by a split: keep its own sections
-                    entry.msgstr = cut_translation(prev.msgid, prev.msgstr, msgid) or prev.msgstr
+                    cut = cut_translation(prev.msgid, prev.msgstr, msgid)
+                    entry.msgstr = cut or prev.msgstr
+                    if cut and accept_splits:
+                        entry.flags.remove("fuzzy")
+                        entry.previous_msgid = None
         elif prev is None and donors:
             def source_of(e):
                 return e.previous_msgid if "fuzzy" in e.flags and e.previous_msgid else e.msgid
@@ -222,7 +230,9 @@ def merge(po, entries, stem):
             cuts = [(e, cut_translation(source_of(e), e.msgstr, msgid)) for e in donors]
             cuts = [(e, c) for e, c in cuts if c]
             best = cuts[0][0] if cuts else max(donors, key=lambda e: _similar(msgid, source_of(e)))
-            if cuts or _similar(msgid, source_of(best)) >= 0.6:
+            if cuts and accept_splits and "fuzzy" not in best.flags:
+                entry.msgstr = cuts[0][1]
+            elif cuts or _similar(msgid, source_of(best)) >= 0.6:
                 entry.msgstr = cuts[0][1] if cuts else best.msgstr
                 entry.flags.append("fuzzy")
                 entry.previous_msgid = source_of(best)
@@ -600,7 +610,7 @@ def format_report(report, lang="zh_CN"):
 # Command line
 # ---------------------------------------------------------------------------------------------
 
-def update(*, lang="zh_CN", repo=REPO, say=print):
+def update(*, lang="zh_CN", repo=REPO, say=print, accept_splits=False):
     """Merge every existing .po with its notebook's English (the msgmerge step)."""
     changed = []
     for catalog in sorted((pathlib.Path(repo) / "i18n" / lang).glob("*.po")):
@@ -613,7 +623,7 @@ def update(*, lang="zh_CN", repo=REPO, say=print):
         if problems:
             raise ValueError("; ".join(problems))
         po = load_catalog(catalog)
-        merged = merge(po, template(nb, catalog.stem), catalog.stem)
+        merged = merge(po, template(nb, catalog.stem), catalog.stem, accept_splits=accept_splits)
         if str(merged) != str(po):
             save_catalog(merged, catalog)
             changed.append(catalog)
@@ -645,7 +655,10 @@ def main(argv=None):
     common.add_argument("--repo", default=str(REPO), help="the checkout (default: this one)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("check", parents=[common], help="the CI gate: exit 1 on anything stale, missing or wrong")
-    sub.add_parser("update", parents=[common], help="merge the English's changes into every existing .po")
+    p_update = sub.add_parser("update", parents=[common], help="merge the English's changes into every existing .po")
+    p_update.add_argument("--accept-splits", action="store_true",
+                          help="a cell split at its headings (and nothing else changed) keeps its part of "
+                               "the translation as current, not fuzzy")
     p_init = sub.add_parser("init", parents=[common], help="an empty .po for a lesson not yet translated")
     p_init.add_argument("notebook")
     p_build = sub.add_parser("build", parents=[common], help="the translated notebooks, into OUT/notebooks")
@@ -659,7 +672,7 @@ def main(argv=None):
         print(format_report(report, args.lang))
         return 0 if report.ok else 1
     if args.command == "update":
-        update(lang=args.lang, repo=repo)
+        update(lang=args.lang, repo=repo, accept_splits=args.accept_splits)
         return 0
     if args.command == "init":
         print(init(args.notebook, lang=args.lang, repo=repo))
