@@ -239,7 +239,10 @@ def test_glossary_rules(tmp_path):
     assert problems("ZeRO-1 shards states", "ZeRO-1 对状态分片", rules) == []
     assert problems("every rank", "每个进程", rules)
     assert problems("every rank", "每个 rank", rules) == []
-    assert problems("a shard", "一个碎片，分片", rules) == ["'碎片': the glossary says 分片 for 'shard'"]
+    assert problems("data parallel", "数据平行，数据并行", rules) == ["'数据平行': the glossary says 数据并行 for 'data parallel'"]
+    # a title kept in English is not prose; the same words outside it are
+    assert problems("*Trillion Parameter Models*", "*Trillion Parameter Models*", rules) == []
+    assert problems("*Trillion Parameter Models* has parameters", "*Trillion Parameter Models*", rules)
     bad = tmp_path / "glossary"
     bad.write_text("data parallel 数据并行\n", encoding="utf-8")
     with pytest.raises(ValueError, match="is not a rule"):
