@@ -252,7 +252,7 @@ def merge(po, entries, stem, *, accept_splits=False):
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.M | re.S)
 CODE = re.compile(r"(`+)(.+?)\1", re.S)
-MATH = re.compile(r"\$\$.+?\$\$|\$[^$\n]+?\$", re.S)
+MATH = re.compile(r"\$\$.+?\$\$|\$(?:[^$\n]|\n(?!\s*\n))+?\$", re.S)   # inline math may span a line break
 LINK_TARGET = re.compile(r"\]\(([^)\s]+)[^)]*\)")
 URL = re.compile(r"https?://\S+")
 HTML_TAG = re.compile(r"</?([A-Za-z][A-Za-z0-9]*)\b[^>]*>")
@@ -271,7 +271,7 @@ def markup(text):
     return {
         "fenced code": [m.group(0) for m in FENCE.finditer(text)],
         "inline code": code_spans,
-        "math": [m.group(0) for m in MATH.finditer(rest)],
+        "math": [" ".join(m.group(0).split()) for m in MATH.finditer(rest)],
         "link targets": LINK_TARGET.findall(rest),
         "HTML tags": sorted(m.group(0).split()[0].rstrip(">").lower() for m in HTML_TAG.finditer(rest)),
         "headings": [len(m.group(1)) for m in HEADING.finditer(rest)],
