@@ -188,6 +188,20 @@ def cut_translation(old_english, translation, new_english):
     return None
 
 
+def closest_sections(old_english, translation, new_english):
+    """(ratio, English, translation) of the run of whole sections of ``old_english`` most similar
+    to ``new_english``, with the same run of ``translation`` (the whole texts when their sections
+    do not pair up): what to offer a cell cut from an old one and edited too, and the English to
+    diff it against."""
+    en, zh = _sections(old_english), _sections(translation)
+    runs = [(old_english, translation)]
+    if len(en) == len(zh):
+        runs += [("".join(en[i:j]), "".join(zh[i:j])) for i in range(len(en))
+                 for j in range(i + 1, len(en) + 1) if (i, j) != (0, len(en))]
+    ratio, en_run, zh_run = max((_similar(new_english, a), a, b) for a, b in runs)
+    return ratio, en_run.strip("\n"), zh_run.strip("\n")
+
+
 def merge(po, entries, stem, *, accept_splits=False):
     """The catalog ``update`` writes: ``entries`` ([(msgctxt, msgid)] from the English) in order,
     each carrying what ``po`` knew about it. Returns a new POFile; ``po`` is left as it was.
@@ -219,24 +233,38 @@ def merge(po, entries, stem, *, accept_splits=False):
                     entry.previous_msgctxt = prev.previous_msgctxt
                 elif "fuzzy" not in prev.flags:      # shortened by a split: keep its own sections
                     cut = cut_translation(prev.msgid, prev.msgstr, msgid)
-                    entry.msgstr = cut or prev.msgstr
                     if cut and accept_splits:
+                        entry.msgstr = cut
                         entry.flags.remove("fuzzy")
                         entry.previous_msgid = None
+                    elif cut:
+                        entry.msgstr = cut
+                    else:                            # split and edited: the closest sections, to revise
+                        ratio, en_run, zh_run = closest_sections(prev.msgid, prev.msgstr, msgid)
+                        if ratio >= 0.6:
+                            entry.msgstr, entry.previous_msgid = zh_run, en_run
         elif prev is None and donors:
             def source_of(e):
                 return e.previous_msgid if "fuzzy" in e.flags and e.previous_msgid else e.msgid
             # a donor whose sections this cell is, else the most similar English
             cuts = [(e, cut_translation(source_of(e), e.msgstr, msgid)) for e in donors]
             cuts = [(e, c) for e, c in cuts if c]
-            best = cuts[0][0] if cuts else max(donors, key=lambda e: _similar(msgid, source_of(e)))
-            if cuts and accept_splits and "fuzzy" not in best.flags:
+            if cuts and accept_splits and "fuzzy" not in cuts[0][0].flags:
                 entry.msgstr = cuts[0][1]
-            elif cuts or _similar(msgid, source_of(best)) >= 0.6:
-                entry.msgstr = cuts[0][1] if cuts else best.msgstr
+            elif cuts:
+                best = cuts[0][0]
+                entry.msgstr = cuts[0][1]
                 entry.flags.append("fuzzy")
                 entry.previous_msgid = source_of(best)
                 entry.previous_msgctxt = best.previous_msgctxt or best.msgctxt
+            else:                                    # cut from an old cell and edited: its closest sections
+                ratio, en_run, zh_run, best = max(
+                    (*closest_sections(source_of(e), e.msgstr, msgid), e) for e in donors)
+                if ratio >= 0.6:
+                    entry.msgstr = zh_run
+                    entry.flags.append("fuzzy")
+                    entry.previous_msgid = en_run
+                    entry.previous_msgctxt = best.previous_msgctxt or best.msgctxt
         out.append(entry)
     for e in list(old.values()) + list(old_obsolete.values()):
         if e.msgctxt not in wanted and e.msgstr:
