@@ -289,3 +289,21 @@ def test_emphasis_that_does_not_render_in_chinese_fails():
     assert i18n.markup_problems("**Learning goals.** After", "**学习目标。** 学完") == []
     found = i18n.markup_problems("**Learning goals.** After", "**学习目标。**学完")
     assert any("renders with literal ['**']" in p for p in found), found
+
+
+def test_a_cell_split_and_edited_is_offered_its_sections_with_their_own_diff():
+    """Split at a heading AND edited: the new cell gets the translation of the sections it came
+    from (fuzzy), and the diff shows the edit against those sections only, not the whole old cell."""
+    old_en = "Intro text here.\n\n## Exercises\n\nDo the exercise in `ex.py`."
+    old_zh = "介绍文字。\n\n## 练习\n\n在 `ex.py` 中完成练习。"
+    ratio, en_run, zh_run = i18n.closest_sections(old_en, old_zh, "## Exercises\n\nDo the exercise in [`ex.py`](ex.py).")
+    assert ratio > 0.6 and en_run == "## Exercises\n\nDo the exercise in `ex.py`." and zh_run.startswith("## 练习")
+    po = i18n.new_catalog("x")
+    po.append(i18n.polib.POEntry(msgctxt="x#a", msgid=old_en, msgstr=old_zh))
+    merged = {e.msgctxt: e for e in i18n.merge(po, [("x#a", "Intro text here."),
+                                                    ("x#b", "## Exercises\n\nDo the exercise in [`ex.py`](ex.py).")],
+                                               "x", accept_splits=True)}
+    assert merged["x#a"].msgstr == "介绍文字。" and "fuzzy" not in merged["x#a"].flags   # an exact cut
+    b = merged["x#b"]
+    assert "fuzzy" in b.flags and b.msgstr.startswith("## 练习") and "介绍" not in b.msgstr
+    assert b.previous_msgid == en_run and b.previous_msgctxt == "x#a"
