@@ -198,7 +198,8 @@ def closest_sections(old_english, translation, new_english):
     if len(en) == len(zh):
         runs += [("".join(en[i:j]), "".join(zh[i:j])) for i in range(len(en))
                  for j in range(i + 1, len(en) + 1) if (i, j) != (0, len(en))]
-    ratio, en_run, zh_run = max((_similar(new_english, a), a, b) for a, b in runs)
+    ratio, en_run, zh_run = max(((_similar(new_english, a), a, b) for a, b in runs),
+                                key=lambda found: found[0])
     return ratio, en_run.strip("\n"), zh_run.strip("\n")
 
 
@@ -214,10 +215,9 @@ def merge(po, entries, stem, *, accept_splits=False):
         out.header = po.header or out.header
     old = {e.msgctxt: e for e in (po or []) if not e.obsolete}
     old_obsolete = {e.msgctxt: e for e in (po or []) if e.obsolete}
-    wanted = {ctxt for ctxt, _ in entries}
+    wanted = dict(entries)
     # Translations that lost their cell or their English: candidates for a new cell cut from them.
-    donors = [e for e in old.values() if e.msgstr and (e.msgctxt not in wanted or
-                                                      e.msgid != dict(entries).get(e.msgctxt))]
+    donors = [e for e in old.values() if e.msgstr and e.msgid != wanted.get(e.msgctxt)]
     donors += [e for e in old_obsolete.values() if e.msgstr and e.msgctxt not in wanted]
     for ctxt, msgid in entries:
         prev = old.get(ctxt) or old_obsolete.get(ctxt)
@@ -259,7 +259,8 @@ def merge(po, entries, stem, *, accept_splits=False):
                 entry.previous_msgctxt = best.previous_msgctxt or best.msgctxt
             else:                                    # cut from an old cell and edited: its closest sections
                 ratio, en_run, zh_run, best = max(
-                    (*closest_sections(source_of(e), e.msgstr, msgid), e) for e in donors)
+                    ((*closest_sections(source_of(e), e.msgstr, msgid), e) for e in donors),
+                    key=lambda found: found[0])
                 if ratio >= 0.6:
                     entry.msgstr = zh_run
                     entry.flags.append("fuzzy")
