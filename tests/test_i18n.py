@@ -283,6 +283,12 @@ def test_a_catalog_without_its_notebook_fails(tmp_path):
     assert any("99_gone" in what for _, what in i18n.check(repo=repo).problems)
 
 
+def test_a_translation_that_loses_a_number_fails():
+    assert i18n.markup_problems("It takes 3.64 s, not 2.46 s, on a 2-D mesh.", "耗时 3.64 s，而不是 2.46 s，在二维网格上。") == []
+    found = i18n.markup_problems("It takes 3.64 s, not 2.46 s.", "耗时 3.46 s，而不是 2.46 s。")
+    assert found == ["numbers of the English missing from the translation: ['3.64']"]
+
+
 def test_emphasis_that_does_not_render_in_chinese_fails():
     """CommonMark's flanking rules: a closing ** after Chinese punctuation and before a Chinese
     character stays two literal asterisks. The gate renders each translation and refuses that."""

@@ -34,7 +34,9 @@ that was changed since this tool wrote it (a student ran it, saving outputs) is 
 untranslated, fuzzy or obsolete entry, or one whose English no longer matches the notebook (the
 template is regenerated from the English every time, so an edit fails the gate before anyone runs
 ``update``); a translation that loses the English's markup (inline code, math, link targets, HTML
-tags, the sequence of headings: the decks are cut at headings); a glossary violation
+tags, the sequence of headings: the decks are cut at headings) or one of its numbers, or that
+renders with a stray emphasis mark (CommonMark's flanking rules bite Chinese punctuation); a
+glossary violation
 (``i18n/<lang>/glossary``); a built notebook whose cells, code, outputs or metadata differ from the
 English. It prints a table per notebook and, for each stale cell, the English diff.
 """
@@ -286,6 +288,7 @@ LINK_TARGET = re.compile(r"\]\(([^)\s]+)[^)]*\)")
 URL = re.compile(r"https?://\S+")
 HTML_TAG = re.compile(r"</?([A-Za-z][A-Za-z0-9]*)\b[^>]*>")
 HEADING = re.compile(r"^(#{1,6})\s", re.M)
+NUMBER = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)*(?!-D\b)")      # 2,048 · 1.5 · 02; not the 2 of "2-D"
 
 
 def _strip_fences(text):
@@ -319,6 +322,11 @@ def _rendered_leftovers(text):
 def markup_problems(msgid, msgstr):
     en, zh = markup(msgid), markup(msgstr)
     problems = []
+    # every number of the English prose is in the translation: a sentence never loses its number
+    numbers = set(NUMBER.findall(msgstr))
+    lost = [n for n in dict.fromkeys(NUMBER.findall(prose(msgid))) if n not in numbers]
+    if lost:
+        problems.append(f"numbers of the English missing from the translation: {lost}")
     left = [m for m in _rendered_leftovers(msgstr) if m not in _rendered_leftovers(msgid)]
     if left:
         problems.append(f"renders with literal {left}: an emphasis or code mark does not close "
