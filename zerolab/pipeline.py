@@ -178,15 +178,16 @@ class StageRun:
     """One step of one pipeline stage: ``forward(k)`` and ``backward(k)`` of micro-batch k, with the
     point-to-point traffic each needs, in whatever order a schedule calls them.
 
-    ``forward(k)``: stage 0 takes ``inputs[k]``, the others receive their input from stage s-1; the
-    last stage computes ``loss_fn(output, targets[k]) / m`` (the mean over micro-batches), the others
-    send their output to stage s+1. ``backward(k)``: the last stage backpropagates its loss, the
-    others receive the gradient of their output from stage s+1; every stage but the first sends its
-    input's gradient to stage s-1. ``call`` (default: the stage) runs the forward, ``backward_fn(
-    scalar, last)`` the backward (default: autograd); an engine (``zerolab.initialize``) plugs in
-    there, and for it a non-last stage backpropagates the scalar sum(output * its gradient), whose
-    gradient with respect to the output is exactly the received one. ``last`` is True for the
-    stage's final backward of the step (where data parallelism synchronises).
+    This rank is stage i. ``forward(k)``: stage 0 takes ``inputs[k]``, the others receive their input
+    from stage i-1; the last stage computes ``loss_fn(output, targets[k]) / m`` (the mean over
+    micro-batches), the others send their output to stage i+1. ``backward(k)``: the last stage
+    backpropagates its loss, the others receive the gradient of their output from stage i+1; every
+    stage but the first sends its input's gradient to stage i-1. ``call`` (default: the stage) runs
+    the forward, ``backward_fn(scalar, last)`` the backward (default: autograd); an engine
+    (``zerolab.initialize``) plugs in there, and for it a non-last stage backpropagates the scalar
+    sum(output * its gradient), whose gradient with respect to the output is exactly the received
+    one. ``last`` is True for the stage's final backward of the step (where data parallelism
+    synchronises).
 
     Afterwards: ``losses`` (the last stage's, one per micro-batch, not divided by m), ``order``
     ([("F" or "B", k)] as run), ``in_flight`` (after each call) and ``peak_in_flight``,
