@@ -119,10 +119,16 @@ def grade_submissions(folder, csv_path, lessons=None, **options):
                 remarks = notes(rows)
             except Exception as exc:  # this submission scores 0; the batch goes on
                 remarks = [f"not graded: {exc}".splitlines()[0]]
-            writer.writerow([student, *scores, sum(scores), "; ".join(remarks)])
+            writer.writerow([_cell(student), *scores, sum(scores), _cell("; ".join(remarks))])
             f.flush()
             print(f"{student}: {sum(scores)}" + (f"  ({'; '.join(remarks)})" if remarks else ""))
     return 0
+
+
+def _cell(text):
+    """A CSV cell a spreadsheet shows as text: a name or note that starts like a formula (a file
+    name or an error message is the student's to choose) gets a leading apostrophe."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def main(argv=None):
