@@ -107,8 +107,10 @@ def test_hostile_submission_scores_zero_in_bounded_time_and_results_json_is_vali
     assert "did not finish within 5 s" in by_name["test_bidirectional_all_reduce_values[2]"]
     assert "rank 1 died (exit code 1)" in by_name["test_bidirectional_all_reduce_values[4]"]
     assert "rank 1 died (exit code 1)" in by_name["test_both_directions_neighbours_only"]
-    # The sandbox's ranks run as nobody in their own PID namespace: the grader is out of reach.
-    assert "PermissionError" in by_name["test_reduce_bytes_measured"]
+    # The sandbox's ranks run as a user of their own in their own PID namespace: their parent is the
+    # submission's own keeper process, the grader is out of reach (it graded on, and wrote the file).
+    out = by_name["test_reduce_bytes_measured"]
+    assert ("PermissionError" in out or "rank 0 died" in out) and "crashed the grading process" not in out, out
 
 
 def test_results_json_is_written_even_when_grading_cannot_start(tmp_path):

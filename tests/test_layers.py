@@ -13,14 +13,14 @@ LAYERS = [
     ("ranks", {"launch", "_protocol", "_worker", "_plain"}),
     ("collectives", {"comm", "ring", "mesh", "quantize"}),
     ("data structures", {"flat", "shard_optim", "memory", "activations", "data_parallel", "mixed_precision",
-                         "meta_init", "units", "models"}),
+                         "meta_init", "units", "models", "aio", "chunked", "swap", "tiling", "prefetch"}),
     ("model parallelism", {"tensor_parallel", "pipeline"}),
     ("machinery", {"engine", "checkpoint"}),
     ("stages", {"zero0", "zero1", "zero2", "zero3", "hybrid", "fully_sharded"}),
-    ("offload", {"offload", "cpu_adam"}),
+    ("offload", {"offload", "cpu_adam", "infinity"}),
     ("entry point", {"stages"}),
     ("tools", {"cost", "calibrate", "demo", "calculator", "plots", "timeline", "train", "convergence",
-               "cost_parallel"}),
+               "cost_parallel", "tiers", "bandwidth_centric"}),
     ("grading", {"grade"}),
 ]
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}

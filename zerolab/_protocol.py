@@ -14,8 +14,11 @@ gives up on a run only by stopping every rank, so the ranks it talks to are alwa
 
 Nothing is left behind. Each worker leads its own session and process group, and :meth:`Ranks.stop`
 ends every whole group with SIGKILL on every path, clean or not, so processes started by rank code
-die with their rank (and release its output pipes). A watchdog process does the same, and removes
-the rendezvous folder, if the parent dies without stopping them (SIGKILL, a kernel restart).
+die with their rank (and release its output pipes). Before that it ends each live worker's
+descendants that left the group (a new session, a double fork: the worker is their subreaper, see
+zerolab/_worker.py) while the worker still lives to hold them; a worker whose rank ended, even
+killed, ends them itself. A watchdog process does the same, and removes the rendezvous folder, if
+the parent dies without stopping them (SIGKILL, a kernel restart).
 """
 import os
 import shutil
@@ -30,6 +33,9 @@ from multiprocessing.connection import Connection, wait
 STARTUP_TIMEOUT = 180.0  # importing torch in 4 processes on 2 busy cores can take a while
 GRACE = 2.0  # after one rank fails, how long the others get to finish on their own
 _END = "\x1ezerolab-end:"  # the worker's end-of-run marker on stdout/stderr (see _worker._marker)
+# A worker's exit status when the rank's code closed its stdout or stderr (zerolab/_worker.py exits
+# with it; zerolab.launch names it). Outside the codes Python and the shells use (1, 2, 126-128+n).
+OUTPUT_CLOSED = 86
 
 
 class StartupFailure(Exception):
@@ -236,9 +242,10 @@ class Ranks:
         """Stop every rank and everything its code started; remove the rendezvous folder.
 
         ``graceful`` first asks each worker to leave its process group and exit (5 s at most).
-        Then, whatever happened, each rank's whole process group gets SIGKILL: a worker that
-        exited may have left children holding its output pipes. Idempotent; safe to call again
-        after an interrupted call.
+        Then each worker still running gets its whole tree killed, wherever its members moved (a
+        session of their own), and, whatever happened, each rank's whole process group gets
+        SIGKILL: a worker that exited may have left children holding its output pipes.
+        Idempotent; safe to call again after an interrupted call.
         """
         if os.getpid() != self.owner:
             return
@@ -254,6 +261,12 @@ class Ranks:
                     r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+        for r in self.ranks:
+            # A worker still running: first its whole tree, while it lives to hold it (it is the
+            # subreaper of what its rank detached: a new session, a double fork + setsid, which
+            # killpg would miss). A worker that exited ended its tree itself (_worker._keep).
+            if r.proc.poll() is None:
+                kill_descendants(r.proc.pid)
         for r in self.ranks:
             try:
                 # A group id stays reserved while any member lives, so this never hits a stranger.
@@ -283,3 +296,38 @@ class Ranks:
 
 def who(ranks):
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def kill_descendants(pid, rounds=20):
+    """SIGKILL every descendant of process ``pid`` (children, theirs, ...; not ``pid`` itself),
+    whatever session or process group they moved to. Repeated until none is left (a process
+    killed mid-fork leaves children, which a subreaper ``pid`` inherits), at most ``rounds``
+    times. Called while ``pid`` still lives: once it is gone its orphans belong to init."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+    except psutil.Error:
+        return
+    for _ in range(rounds):
+        try:
+            procs = [p for p in root.children(recursive=True) if _running(p)]
+        except psutil.Error:
+            return
+        if not procs:
+            return
+        for p in procs:
+            try:
+                p.kill()                 # psutil checks the pid still names that process
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + 2  # dead (a zombie counts) before their children are looked up
+        while any(_running(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _running(proc):
+    import psutil
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -32,7 +32,7 @@ import weakref
 
 import cloudpickle
 
-from zerolab._protocol import Ranks, StartupFailure, who as _who
+from zerolab._protocol import OUTPUT_CLOSED, Ranks, StartupFailure, who as _who
 
 DEFAULT_TIMEOUT = 30.0
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; far beyond it the OS's timers overflow (poll: ~24.8 days)
@@ -158,6 +158,18 @@ class Isolation:
 
     def __repr__(self):
         return f"Isolation(prefix={self.prefix!r}, scratch={self.scratch!r})"
+
+
+def _how_it_ended(code):
+    """Why a rank stopped answering, from its exit status (None: it still ran), for RankError."""
+    if code == OUTPUT_CLOSED:
+        return ("stopped: its code closed the rank's stdout or stderr (os.close(1) or 2), the pipes the "
+                "launcher reads its output and the end of each run through. Leave file descriptors 1 and 2 "
+                "open; to silence printing, use contextlib.redirect_stdout(io.StringIO())")
+    if code is None:
+        return ("stopped answering: its control connection closed while its process still ran (did its "
+                "code close file descriptors it had not opened, e.g. os.closerange?); stopped")
+    return f"died ({_signal_name(code) if code < 0 else f'exit code {code}'})"
 
 
 class Cluster:
@@ -319,9 +331,8 @@ class Cluster:
         parts = []
         # A dead rank is the cause; errors on the others (connection reset) are its consequence.
         for rank, code in sorted(died.items()):
-            how = (code if isinstance(code, str) else _signal_name(code) if code is not None and code < 0
-                   else f"exit code {code}")
-            parts.append(f"rank {rank} died ({how})")
+            # a sentence: a plain-mode rank stopped for breaking the protocol (zerolab._protocol)
+            parts.append(f"rank {rank} {code if isinstance(code, str) else _how_it_ended(code)}")
         by_cause = {}
         for rank, e in sorted(errors.items()):
             by_cause.setdefault((e["type"], e["message"], e.get("local", False)), []).append(rank)

@@ -8,8 +8,12 @@ import pytest
 from zerolab import RankError
 from zerolab.grade.helpers import TRUSTED_PID, Student
 
-# (enforced once every graded test runs the submission through `student`: see the issue-31 conversion)
-# os.environ[TRUSTED_PID] = str(os.getpid())
+
+@pytest.fixture(autouse=True)
+def _trusted_process(monkeypatch):
+    """Every graded test: this process refuses to import the submission (exercise_module raises),
+    so a test that would run the student's code where the verdict is decided fails loudly."""
+    monkeypatch.setenv(TRUSTED_PID, str(os.getpid()))
 
 
 @pytest.fixture

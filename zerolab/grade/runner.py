@@ -33,7 +33,7 @@ import time
 from zerolab.grade.checkout import exercise_name, graded_dir
 from zerolab.grade.helpers import SANDBOX, TRUSTED_PID
 from zerolab.grade.references import REFUSED, declaration, static_check
-from zerolab.grade.sandbox import SandboxUnavailable, unavailable_reason
+from zerolab.grade.sandbox import SandboxUnavailable, mode, unavailable_reason
 from zerolab.grade.tree import PACKAGE, make_tree
 
 TEST_TIMEOUT = 240.0  # seconds per graded test, the ranks' start-up included
@@ -197,17 +197,41 @@ def _failed(message, output=""):
 
 
 def sandbox_mode(sandbox):
-    """(whether to sandbox, why not or None) for ``sandbox`` in 'auto', 'required', 'off';
-    ValueError for another value, :class:`SandboxUnavailable` when required and impossible."""
+    """(the sandbox's mode or None, why it is not the full sandbox or None) for ``sandbox`` in
+    'auto', 'required', 'off'. Modes: "namespaces" (zerolab.grade.sandbox), "user" (root without
+    namespaces: the submission's own user id only). ValueError for another value;
+    :class:`SandboxUnavailable` when required and impossible."""
     if sandbox not in SANDBOX_MODES:
         raise ValueError(f"sandbox={sandbox!r} is not valid: use one of {', '.join(SANDBOX_MODES)}")
     if sandbox == "off":
-        return False, "the sandbox was turned off (--no-sandbox)"
-    reason = unavailable_reason()
-    if reason and sandbox == "required":
+        return None, "the sandbox was turned off (--no-sandbox)"
+    reason, how = unavailable_reason(), mode()
+    if how is None and sandbox == "required":
+        if os.geteuid() == 0:
+            reason += (f"; as root, the lesser sandbox (the submission's own user id, no namespaces) "
+                       f"needs a Python installation other users may run, and {sys.executable} is not")
         raise SandboxUnavailable(f"{reason}. Instructor mode (--csv, --gradescope) grades only in the "
                                  f"sandbox; --no-sandbox grades without it, trusting the submissions")
-    return reason is None, reason
+    return how, reason
+
+
+def _remove_files_of(uid):
+    """Without namespaces, what a submission's user left in the shared temporary folders."""
+    import shutil
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.stat(follow_symlinks=False).st_uid == uid:
+                    if e.is_dir(follow_symlinks=False):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                    else:
+                        os.unlink(e.path)
+            except OSError:
+                pass
 
 
 def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=None, budget=None,
@@ -227,7 +251,7 @@ def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=No
     impl = pathlib.Path(impl).resolve()
     if not impl.is_dir():
         raise FileNotFoundError(f"no such exercises folder: {impl}")
-    sandboxed, _ = sandbox_mode(sandbox)
+    sandboxed, _ = sandbox_mode(sandbox)  # "namespaces", "user" or None
     verdicts = _static_verdicts(impl, files)
     deadline = time.monotonic() + budget
     ev = _Events()
@@ -273,6 +297,8 @@ def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=No
                                 f"shared by the exercises left) ran out", lesson)
             finally:
                 _kill_all(proc, tag, uid)
+                if sandboxed == "user":
+                    _remove_files_of(uid)
                 tail.join(5)
             ev.read()
             output = tail.text()

@@ -200,6 +200,8 @@ def enter(spec, argv):
     flags = CLONE_NEWNS | CLONE_NEWPID | (0 if as_root else CLONE_NEWUSER)
     if _libc.unshare(flags) != 0:
         err = ctypes.get_errno()
+        if as_root and spec.get("user_only_fallback"):
+            _user_only(spec, argv)
         os.write(2, f"zerolab sandbox: unshare failed: {os.strerror(err)} ({unavailable_reason()})\n".encode())
         os._exit(EXIT_SETUP)
     if not as_root:  # this process is root inside its own user namespace: enough to mount
@@ -212,6 +214,50 @@ def enter(spec, argv):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _, status = os.waitpid(pid, 0)
     os._exit(os.waitstatus_to_exitcode(status) % 256 if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def _user_only(spec, argv):
+    """The lesser sandbox, for root without namespaces (a container without CAP_SYS_ADMIN, as many
+    autograders run): the command runs as the submission's own user id and nothing more. It then
+    sees every file its user may read (world-readable ones included), so the grading tree must hold
+    no answers; what it writes in /tmp is removed by the grader after it (by owner)."""
+    try:
+        _limit(spec)
+        scratch = spec["scratch"]
+        env = dict(os.environ, HOME=scratch, TMPDIR=scratch)
+        _drop_privileges(True, spec.get("uid", NOBODY))
+        os.execve(argv[0], argv, env)
+    except OSError as exc:
+        os.write(2, f"zerolab sandbox: could not start {argv[0]} as the submission's user: {exc}\n".encode())
+    os._exit(EXIT_SETUP)
+
+
+def mode():
+    """How this machine isolates a submission: "namespaces" (the full sandbox), "user" (root
+    without namespaces: the submission's own user id only, :func:`_user_only`; it needs a Python
+    installation other users may run) or None."""
+    if unavailable_reason() is None:
+        return "namespaces"
+    if not (sys.platform.startswith("linux") and os.geteuid() == 0):
+        return None
+    return "user" if _others_may_run(os.path.realpath(sys.executable)) else None
+
+
+def _others_may_run(path):
+    """Whether a user with no rights of its own may run ``path``: every folder on the way
+    searchable by others, the file readable and executable by them."""
+    import stat
+    try:
+        if os.stat(path).st_mode & (stat.S_IROTH | stat.S_IXOTH) != (stat.S_IROTH | stat.S_IXOTH):
+            return False
+        folder = os.path.dirname(path)
+        while folder not in ("/", ""):
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return False
+            folder = os.path.dirname(folder)
+    except OSError:
+        return False
+    return True
 
 
 def unavailable_reason():
@@ -238,13 +284,15 @@ def fresh_uid():
     return 3_000_000_000 + secrets.randbelow(1_000_000_000)
 
 
-def write_spec(path, *, root, scratch, read_only, uid=NOBODY, max_processes=512, max_file_bytes=4 << 30):
+def write_spec(path, *, root, scratch, read_only, uid=NOBODY, user_only_fallback=False, max_processes=512,
+               max_file_bytes=4 << 30):
     """The JSON spec :func:`enter` reads: the empty folder the root is mounted on, the scratch
-    folder (writable; /tmp inside), the host paths to show read-only, and (as root) the user id the
-    command runs as."""
+    folder (writable; /tmp inside), the host paths to show read-only, (as root) the user id the
+    command runs as, and whether to fall back to that user id alone without namespaces."""
     with open(path, "w") as f:
         json.dump({"root": str(root), "scratch": str(scratch), "read_only": [str(p) for p in read_only],
-                   "uid": uid, "max_processes": max_processes, "max_file_bytes": max_file_bytes}, f)
+                   "uid": uid, "user_only_fallback": user_only_fallback, "max_processes": max_processes,
+                   "max_file_bytes": max_file_bytes}, f)
 
 
 def main(argv):

@@ -62,8 +62,8 @@ def copy_tests(graded, files, dst):
 
 def make_tree(tmp, impl, graded, files, *, sandboxed, shown=()):
     """Build the grading tree in the empty folder ``tmp``; returns (submission, test files,
-    scratch, marks, spec or None, the submission's user id or None). ``shown``: more folders the
-    sandbox shows, read-only."""
+    scratch, marks, spec or None, the submission's user id or None). ``sandboxed``: None, or the
+    sandbox's mode (zerolab.grade.sandbox.mode()); ``shown``: more folders it shows, read-only."""
     tree = tmp / "tree"
     submission = copy_submission(impl, tree / "submission")
     tests = copy_tests(graded, files, tree)
@@ -76,10 +76,12 @@ def make_tree(tmp, impl, graded, files, *, sandboxed, shown=()):
             for p in (scratch, marks):
                 os.chown(p, uid, uid)
         scratch.chmod(0o700)
+        if sandboxed == "user":  # no namespaces: that user reads the tree through the real folders
+            tmp.chmod(0o711)
         (tmp / "root").mkdir()
         spec = tmp / "sandbox.json"
         shown = {sys.base_prefix, sys.prefix, str(PACKAGE), str(tree), *map(str, shown)}
         shown |= {sysconfig.get_path(k) for k in ("purelib", "platlib", "stdlib", "platstdlib")}
         write_spec(spec, root=tmp / "root", scratch=scratch, read_only=sorted(p for p in shown if p),
-                   **({"uid": uid} if uid is not None else {}))
+                   user_only_fallback=sandboxed == "user", **({"uid": uid} if uid is not None else {}))
     return submission, tests, scratch, marks, spec, uid
