@@ -143,7 +143,7 @@ def main(steps=7, world_size=2, adam_mparams=33.5, adam_rounds_=9):
              f" (STREAM arrays of {ceilings.stream_numel() * 4 / 2**20:.0f} MiB, counted as STREAM counts them). "
              "The ceiling of each row is the fastest of them in the same round.\n",
              "| implementation | ms / step (median) | Mparams/s | effective GB/s (28 B/param) | fraction of the "
-             "ceiling, paired | step time / torch fused AdamW, paired | speed-up vs for-loop, paired |",
+             "ceiling: paired [middle half], best round | step time / torch fused AdamW, paired | speed-up vs for-loop, paired |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for name in IMPLEMENTATIONS:
         vs_fused = protocol.ratio(times, name, "torch.optim.AdamW fused")
@@ -154,7 +154,7 @@ def main(steps=7, world_size=2, adam_mparams=33.5, adam_rounds_=9):
                  "bf16 gradient and parameter shards of the same count (a 2-byte gradient read and a 2-byte "
                  "parameter written instead of a 4-byte gradient read: 28 B per parameter either way, with the "
                  "casts folded into the update's pass; 40 B with the casts as separate passes).")
-    ceilings.check(fractions)                 # fails loudly: a row above its ceiling out of the noise
+    ceilings.check(fractions)                 # fails loudly: a row above its ceiling
     psi = sum(p.numel() for p in dict.fromkeys(models.build("gpt", seed=0, **MODEL).parameters()))
     lines += ["", f"### One training step with and without offload (TinyGPT {psi / 1e6:.2f}M params, fp32, AdamW, "
               f"batch {BATCH} x {MODEL['seq_len']} per rank, {world_size} ranks, gloo)\n",

@@ -37,14 +37,18 @@ def test_ratio_is_paired_and_a_verdict_needs_the_middle_half():
 
 
 def test_ceiling_fraction_per_round_and_the_loud_failure():
-    """A row's fraction is its rate over the fastest ceiling of the same round; a row above its ceiling
-    out of the noise raises, one within the noise does not."""
+    """A row's fraction is its rate over the fastest ceiling of the same round (paired) and its best
+    round over the ceiling's best; a row above its ceiling either way raises, noise alone does not."""
     ceiling = {"copy": [10.0, 10.0, 10.0, 10.0, 10.0], "pattern": [20.0, 5.0, 20.0, 20.0, 20.0]}
-    f = ceilings.fraction([10.0, 10.0, 10.0, 10.0, 10.0], ceiling)
-    assert f.ratios == [0.5, 1.0, 0.5, 0.5, 0.5]
-    ceilings.check({"row": f, "noisy": protocol.Ratio([0.9, 0.95, 1.0, 1.05, 1.1])})
+    f = ceilings.fraction([10.0, 10.0, 12.0, 10.0, 10.0], ceiling)
+    assert f.ratios == [0.5, 1.0, 0.6, 0.5, 0.5] and f.best == 12.0 / 20.0
+    noisy = ceilings.fraction([9.0, 9.5, 10.0, 10.5, 11.0], {"c": [10.0] * 4 + [20.0]})
+    assert noisy.side() == 0 and noisy.best == 11.0 / 20.0
+    ceilings.check({"row": f, "noisy": noisy})
     with pytest.raises(ceilings.CeilingExceeded, match="fast row"):
-        ceilings.check({"row": f, "fast row": protocol.Ratio([1.2, 1.3, 1.6, 1.5, 1.4])})
+        ceilings.check({"row": f, "fast row": ceilings.fraction([12.0, 13.0, 16.0, 15.0, 14.0], {"c": [10.0] * 5})})
+    with pytest.raises(ceilings.CeilingExceeded, match="best round"):   # one round beyond the best ceiling
+        ceilings.check({"lucky row": ceilings.fraction([5.0, 5.0, 5.0, 5.0, 21.0], ceiling)})
 
 
 def test_memory_kernels_move_the_bytes_they_count():
