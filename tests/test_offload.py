@@ -279,6 +279,25 @@ def test_one_pass_kernel_fallback_and_bad_input(monkeypatch):
                             eps=1e-8, weight_decay=0.0)
 
 
+def test_one_pass_kernel_a_failing_compiler_is_tried_once(tmp_path, monkeypatch):
+    """A compiler that exists but cannot build the kernel (no OpenMP, say) gives None, the fallback,
+    and is not run again on the next load (each HostOptimizer asks): once per flag set, then marked."""
+    import platform
+    from zerolab import cpu_adam
+    if platform.system() != "Linux":
+        pytest.skip("the kernel is built on Linux only")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fakecc"
+    fake.write_text(f"#!/bin/sh\necho run >> {calls}\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cpu_adam.load(compiler=str(fake)) is None
+    first = calls.read_text().count("run")
+    assert first == len(cpu_adam.FLAG_SETS)
+    assert cpu_adam.load(compiler=str(fake)) is None
+    assert calls.read_text().count("run") == first, "the failing compiler ran again"
+
+
 def _bad_delayed():
     engine = zerolab.initialize(build("mlp", torch.float32), stage=2, offload="optimizer", lr=LR,
                                 bucket_bytes=_buckets("mlp"))

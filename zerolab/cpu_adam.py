@@ -33,6 +33,7 @@ import hashlib
 import os
 import pathlib
 import platform
+import shutil
 import subprocess
 import tempfile
 
@@ -142,22 +143,43 @@ def _build(compiler, flags, target):
             f.unlink(missing_ok=True)
 
 
+def _compiler_id(compiler):
+    """The compiler's resolved path and modification time (None: no such program): part of the cache key,
+    so that a compiler installed or upgraded later is tried afresh."""
+    path = shutil.which(compiler)
+    if path is None:
+        return None
+    return f"{os.path.realpath(path)} {os.stat(path).st_mtime_ns}"
+
+
 def load(compiler=None):
     """The compiled kernel (a :class:`ctypes.CDLL`), built on first use and cached on disk; None where it
     cannot be built or loaded here (then the caller uses torch's kernels). ``compiler``: default ``$CC``,
-    else ``cc``. Not on Windows (no ``cc``); only where ``libgomp`` is torch's OpenMP runtime (Linux)."""
+    else ``cc``. Not on Windows (no ``cc``); only where ``libgomp`` is torch's OpenMP runtime (Linux).
+    Cheap when it cannot work: no compiler is found at once; a compiler that fails (no OpenMP, say)
+    leaves a ``.failed`` mark next to where the library would be, and is not run again for that key."""
     if platform.system() != "Linux":
         return None                          # elsewhere torch's OpenMP may not be libgomp: two runtimes
     compiler = compiler or os.environ.get("CC") or "cc"
+    compiler_id = _compiler_id(compiler)
+    if compiler_id is None:
+        return None                          # no C compiler here (a CI image, say): torch's kernels
     for flags in FLAG_SETS:
-        key = hashlib.sha256("\n".join([SOURCE, compiler, *flags, *COMMON_FLAGS, _cpu_id()]).encode()).hexdigest()[:20]
+        key = hashlib.sha256("\n".join([SOURCE, compiler_id, *flags, *COMMON_FLAGS, _cpu_id()]).encode()).hexdigest()[:20]
         for cache in _cache_dirs():
             target = cache / f"cpu_adam_{key}.so"
+            failed = target.with_suffix(".failed")
             try:
-                if target.exists() or _build(compiler, flags, target):
+                if target.exists():
                     return _bind(ctypes.CDLL(str(target)))
+                if failed.exists():
+                    break                    # this compiler cannot build these flags: known, not retried
+                if _build(compiler, flags, target):
+                    return _bind(ctypes.CDLL(str(target)))
+                failed.touch()
+                break                        # the compiler said no: another cache folder will not help
             except (OSError, subprocess.SubprocessError):
-                continue                     # no compiler, an unwritable cache, a library that will not load
+                continue                     # an unwritable cache, a library that will not load, a timeout
     return None
 
 
