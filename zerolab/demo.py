@@ -142,8 +142,8 @@ def table(results, world_size):
     rows.append("state = params + grads + optimizer states on the compute device (measured, each storage "
                 "once); theory = ZeRO's formula; +pad = zero padding of the flat shards.")
     rows.append("host = what offload keeps on the host (gradient shard, fp32 master, Adam moments; "
-                "ZeRO-Offload, arXiv 2101.06840; with --bf16 also a 4Ψ/N fp32 gradient workspace the "
-                "theory leaves out), by role: on a CPU-only machine both are the same RAM.")
+                "ZeRO-Offload, arXiv 2101.06840; with --bf16 where zerolab.cpu_adam cannot be built (no C "
+                "compiler) also a 4Ψ/N fp32 gradient workspace the theory leaves out), by role: on a CPU-only machine both are the same RAM.")
     rows.append("wire = bytes one rank sends per step: as logged by zerolab.comm (gloo's reduce-scatter "
                 "counts as the all-reduce it runs), the ideal ring (theory), and the socket count (measured).")
     for spec, r in results.items():
