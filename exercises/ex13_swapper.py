@@ -114,8 +114,7 @@ class SwappedAdam:
     @torch.no_grad()
     def step(self, grad):
         raise NotImplementedError(
-            "Exercise 13: stream every chunk's record through the pool (read ahead, update, write behind) "
-            "and commit the step (see the class docstring's contract).")
+            "Exercise 13: SwappedAdam.step — write it from the class docstring's contract.")
 
     def close(self):
         self.file.close()
