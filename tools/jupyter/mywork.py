@@ -15,6 +15,7 @@ relative links and paths work in both (`../exercises/ex00_collectives.py`,
     DEST/notebooks/rise.css       the decks' shared style      } course material, not your work:
     DEST/notebooks/data/...       data the lessons read        } refreshed from the checkout
     DEST/benchmarks/RESULTS.md    results lesson 07 reads      } whenever it changes there
+    DEST/presenter/*.md           the presenter guides         }
 
 A lesson or exercise that appears in the checkout later (a `git pull`) is copied in at the next
 `make lab`; one that changed in the checkout since it was copied is left as it is, with a line
@@ -55,6 +56,7 @@ def _refreshed(repo):
     results = repo / "benchmarks" / "RESULTS.md"
     if results.is_file():
         files.append(("benchmarks/RESULTS.md", results))
+    files += [(f"presenter/{p.name}", p) for p in sorted((repo / "presenter").glob("*.md"))]
     files.append(("notebooks/rise.css", RISE_CSS))
     return files
 
