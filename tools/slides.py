@@ -15,7 +15,7 @@ A. Cells are cut at headings. A markdown cell with a `#`, `##` or `###` heading 
 B. Presenter notes. presenter/NN_<lesson>.md (the guide for that lesson) has a section
    "## Slide notes" with one `### <heading>` block per slide, named exactly as the lesson's heading
    (without the #'s). Each block becomes a markdown cell right after that heading's cell, with
-   slide type `notes` (RISE shows it in the speaker view, key T) and the tags `presenter-notes` and
+   slide type `notes` (reveal.js notes: hidden in the slideshow) and the tags `presenter-notes` and
    `remove-cell` (the website leaves it out: the guide has a page of its own). A block naming no
    heading of the lesson is an error; notes cells no guide asks for are removed.
 C. Every cell's `slideshow` metadata, by these rules, in order:
@@ -217,7 +217,7 @@ def _notes_cell(lesson, title, body, guide_name):
     digest = hashlib.sha1(f"{lesson}\n{title}".encode()).hexdigest()[:8]
     text = (f"<!-- Presenter notes for the slide \"{title}\": written in presenter/{guide_name}, "
             f"inserted by tools/slides.py (edit them there). -->\n"
-            f"**Presenter notes** (the deck's speaker view, key T; [the whole guide](../presenter/{guide_name}))\n\n"
+            f"**Presenter notes** (hidden in the slideshow; [the whole guide](../presenter/{guide_name}))\n\n"
             f"{body}")
     return {"cell_type": "markdown", "id": f"notes-{digest}",
             "metadata": {"tags": [NOTES_TAG, SITE_REMOVE_TAG]}, "source": text.splitlines(keepends=True)}
@@ -244,7 +244,7 @@ def inject_notes(cells, notes, lesson, guide_name, where="notebook"):
 
 def slide_types(cells, where="notebook"):
     """The slide type of each cell (the RISE / nbconvert `slideshow.slide_type` values)."""
-    types, previous = [], None
+    types, previous, height = [], None, 0
     for index, cell in enumerate(cells):
         kind = "notes" if is_notes(cell) else _override(cell, f"{where}, cell {index}")
         if kind is None:
@@ -262,12 +262,37 @@ def slide_types(cells, where="notebook"):
                 kind = "subslide"
             elif previous["cell_type"] == "code" and (_has_figure(previous) or _is_long_code(previous)):
                 kind = "subslide"
+            elif cell["cell_type"] == "code" and _has_figure(cell) and height + _input_height(cell) > FOLD:
+                kind = "subslide"                 # the figure would open below the fold: next slide
             else:
                 kind = "-"
         types.append(kind)
         if kind != "notes":
             previous = cell
+            height = (0 if kind in ("slide", "subslide") else height) + _height(cell)
     return types
+
+
+# How far down a slide a cell reaches, in pixels of a 1280x800 deck (RISE's white theme: text about
+# 24 px a line, 110 characters wide; code 17 px a line, its box capped at 36vh by rise.css). An
+# estimate from the sources, deterministic, checked in the browser by tests/test_browser.py.
+FOLD = 520            # a figure whose code starts below this would open past the bottom of the slide
+TEXT_LINE, CODE_LINE, CELL_GAP, CODE_BOX, FIGURE = 24, 17, 30, 290, 330
+
+
+def _input_height(cell):
+    return CELL_GAP + min(CODE_BOX, CODE_LINE * len(_source(cell).splitlines()))
+
+
+def _height(cell):
+    text = _source(cell)
+    if cell["cell_type"] != "code":
+        lines = sum(max(1, -(-len(line) // 110)) if line.strip() else 0.5 for line in text.splitlines())
+        return CELL_GAP + TEXT_LINE * lines
+    printed = sum("".join(o.get("text", "")).count("\n") + 1 for o in cell.get("outputs", [])
+                  if o.get("output_type") == "stream")
+    return (_input_height(cell) + min(CODE_BOX, CODE_LINE * printed)
+            + FIGURE * sum("image/png" in o.get("data", {}) for o in cell.get("outputs", [])))
 
 
 def apply(nb, where="notebook", notes=None, guide_name=None):
