@@ -68,6 +68,9 @@ def test_make_lab_opens_lesson_00_in_the_students_copy_with_the_stubs_in_its_fil
         with urllib.request.urlopen(f"{base}/api/contents/exercises?content=1&token={token}") as r:
             stubs = {item["name"] for item in json.load(r)["content"]}
         assert {p.name for p in (REPO / "exercises").glob("ex[0-9][0-9]_*.py")} <= stubs
+        with urllib.request.urlopen(f"{base}/api/contents/notebooks/exercises?content=1&token={token}") as r:
+            beside = {item["name"] for item in json.load(r)["content"]}   # the lesson folder's shortcut
+        assert stubs == beside
         with urllib.request.urlopen(f"{base}/api/contents/notebooks/00_collectives.ipynb?content=0&token={token}") as r:
             assert r.status == 200
         # what the browser opens (and where "/" leads): lesson 00 of the copy

@@ -12,6 +12,7 @@ relative links and paths work in both (`../exercises/ex00_collectives.py`,
     DEST/notebooks/NN_*.ipynb     the lessons         copied once, NEVER overwritten
     DEST/exercises/*.py           the exercise stubs  copied once, NEVER overwritten
     DEST/notebooks/NN_*.css       each deck's own style (RISE loads it): created once, empty
+    DEST/notebooks/exercises      a symbolic link to ../exercises, for the lab's file browser
     DEST/notebooks/rise.css       the decks' shared style      } course material, not your work:
     DEST/notebooks/data/...       data the lessons read        } refreshed from the checkout
     DEST/benchmarks/RESULTS.md    results lesson 07 reads      } whenever it changes there
@@ -88,6 +89,15 @@ def sync(dest, repo=REPO):
         if not target.is_file() or target.read_bytes() != src.read_bytes():
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, target)
+    # The lab opens a lesson, and its file browser then shows the lesson's folder, notebooks/: a link
+    # there to ../exercises puts the stubs one double-click away (the Exercises section's own link
+    # opens a stub in one click).
+    shortcut = dest / "notebooks" / "exercises"
+    if not shortcut.exists() and not shortcut.is_symlink():
+        try:
+            shortcut.symlink_to(pathlib.Path("..") / "exercises", target_is_directory=True)
+        except OSError:
+            pass                               # no symbolic links here: the link in each lesson still works
     for lesson in sorted((dest / "notebooks").glob("[0-9][0-9]*_*.ipynb")):
         css = lesson.with_suffix(".css")      # RISE asks for <lesson>.css: without it, a 404 per deck
         if not css.exists():
