@@ -4,43 +4,51 @@ what torch's DDP really does.
 Every rank holds the whole model and computes gradients on its own data; averaging the gradients
 over the ranks makes every rank take the step one process would take on all the data. Lesson 02
 shows the naive sync (one all-reduce per gradient, after backward) and why buckets started from
-gradient hooks are better. Here you build the bucketed sync yourself; its structure is yours.
+gradient hooks are better. Here you design the bucketed sync yourself, for models whose forward
+does not always use every parameter; its structure is yours.
 
-02.1 ``BucketedAverager``: buckets, hooks, asynchronous all-reduces, and ``no_sync``.
+02.1 ``BucketedAverager``: gradients averaged in buckets while backward runs, and ``no_sync``.
 02.2 ``ddp_bucket_bytes``: measure the buckets torch's DistributedDataParallel really reduces.
 
 Useful: ``zerolab.flat.unique_trainable`` (trainable parameters, tied weights once),
 ``zerolab.data_parallel.assign_buckets`` (parameters grouped into reverse-order buckets) and
-``zerolab.data_parallel.Bucket`` (a flat buffer with one view per parameter). Use ``zerolab.comm``'s
-``all_reduce``: the graded tests read its log.
+``zerolab.data_parallel.Bucket`` (a flat buffer with one view per parameter).
 
 Grade your work:  ``make grade`` or, in lesson 02, ``zerolab.grade.check("02")``.
 """
 
 
 class BucketedAverager:
-    """``sync = BucketedAverager(model, bucket_bytes=4096)``; per step: ``loss.backward();
-    sync.finish()``; then every trainable parameter's ``.grad`` holds the mean over the ranks.
-    Between steps the gradients are zeroed in place (``model.zero_grad(set_to_none=False)``).
+    """``sync = BucketedAverager(model, bucket_bytes=4096, group=None)``; per step:
+    ``loss = model(x, y)``, ``loss.backward()``, ``sync.finish()``; then every trainable parameter's
+    ``.grad`` holds the mean over the ranks of ``group`` (None: every rank). Between steps the gradients are zeroed in place
+    (``model.zero_grad(set_to_none=False)``).
 
-    Contract (graded on 2 and 3 ranks, float64, against one process):
+    What must hold (graded on 2, 3 and 4 ranks, float64, against the mean recomputed in one process):
 
-    * buckets are ``assign_buckets(trainable parameters, bucket_bytes)`` (reverse order); each
-      trainable parameter's ``.grad`` is a view into its bucket's flat buffer (no copy before the
-      all-reduce); frozen parameters keep ``grad=None``; a tied weight is reduced once;
-    * during backward, as soon as every gradient of the next bucket (in index order) is final, that
-      bucket's all-reduce starts, asynchronously: one all-reduce per bucket, all of them started
-      from inside backward, none blocking;
-    * ``finish()`` waits for them (starting any bucket whose gradients never came) and leaves the
-      mean in ``.grad``;
-    * gradient accumulation: backward passes run inside ``with sync.no_sync():`` only accumulate,
-      locally, with no communication; the next backward outside it synchronises the sum.
+    * values: after ``finish()``, each trainable ``.grad`` is the mean over the group's ranks of
+      that rank's gradients summed over every backward since they were last zeroed, those run
+      inside ``with sync.no_sync():`` included. A parameter a rank's forward did not use gets no
+      gradient there and counts as zero from that rank; which ones go unused may differ from rank to
+      rank and from step to step. Frozen parameters keep ``grad=None``; a tied weight is one
+      parameter.
+    * communication: all-reduces only, on ``group``; per synchronising step one all-reduce per
+      bucket of ``assign_buckets(trainable parameters, bucket_bytes)``, each gradient element in
+      exactly one; nothing at all during a backward inside ``no_sync()``.
+    * overlap, read off the clock: each bucket's all-reduce is in flight (started, not yet waited
+      for) while autograd computes the gradients that come after that bucket's last one; only a
+      bucket completed by backward's very last gradient may start after it. This holds also when the
+      forward left a parameter unused: a gradient that will never come must not hold its bucket, or
+      the buckets after it, back.
+    * memory: no copy of the gradients: during backward, the gradients and the buffers the
+      all-reduces run on hold together no more than the gradients themselves, plus the one gradient
+      autograd is handing over.
     """
 
     def __init__(self, module, bucket_bytes, group=None):
         raise NotImplementedError(
-            "Exercise 02.1: make the gradients views into buckets and arrange for each bucket's "
-            "all-reduce to start during backward (see the class docstring's contract).")
+            "Exercise 02.1: average the gradients in buckets while backward runs (see the class "
+            "docstring's contract).")
 
     def finish(self):
         raise NotImplementedError("Exercise 02.1: complete the step's all-reduces; .grad holds the mean.")

@@ -23,14 +23,19 @@ class ParamZero1:
 
     * ``self.partition[r]``: the trainable parameters rank r owns, whole. Assign them the way
       torch's ZeroRedundancyOptimizer does: largest first (ties: in the order given), each to the
-      rank that owns the fewest elements so far (ties: the lowest rank);
-    * ``self.local``: ``optimizer_class(..., **defaults)`` over this rank's own parameters only, so
-      that its state (Adam's moments) exists for them alone;
+      rank that owns the fewest elements so far (ties: the lowest rank). Frozen parameters are not
+      trained: nobody owns them. A parameter passed twice (tied weights) counts once;
+    * ``self.local``: ``optimizer_class(..., **defaults)`` over this rank's own parameters only. After
+      ``step(); zero_grad()``, what this rank holds besides the model's parameters is that
+      optimizer's state, for the parameters it owns (measured: a census of the live tensors);
     * ``step()``: the owner of a parameter gets its gradient averaged over the ranks, delivered by
       ``torch.distributed.reduce`` to the owner (you may pack an owner's parameters in one buffer);
       the owner updates it; every rank then gets the new values by ``torch.distributed.broadcast``
       from the owner. No all-reduce: each gradient and each parameter crosses the wire once.
-      Training equals one process on the concatenated batches.
+      Training equals one process on the concatenated batches, including a parameter that no rank
+      has a gradient for (unused this step): one process's optimizer skips it, so must yours;
+    * ``group``: the ranks that share this optimizer (default: all of them). Ranks, partition and
+      every collective are those of the group: the other ranks may be doing something else meanwhile.
     """
 
     def __init__(self, params, optimizer_class, *, group=None, **defaults):

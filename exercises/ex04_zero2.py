@@ -32,12 +32,19 @@ class Zero2Gradients:
     * buckets: the trainable parameters in backward order, cut as
       ``make_buckets(self.params[::-1], bucket_bytes, dtype)`` cuts them;
     * during backward, as soon as every gradient of a bucket is final, each part of the bucket that
-      lies in rank q's partition is reduced (summed) to rank q with ``torch.distributed.reduce``,
-      asynchronously (``async_op=True``): one reduce per (bucket, owner), nothing else is sent;
-    * at no moment of backward are more than two buckets of full-size gradients alive (besides the
-      one gradient autograd is handing you, and ``grad_shard``): DeepSpeed's double buffer;
-    * after ``finish()``: every reduce has completed, ``grad_shard`` holds the average (padding
-      zero), no parameter has a ``.grad``, and no full-size gradient buffer is left.
+      lies in rank q's partition is reduced (summed) to rank q with ``torch.distributed.reduce``:
+      one reduce per (bucket, owner), nothing else is sent;
+    * overlap: those reduces run while backward goes on. Graded as a fact, not a flag: a bucket's
+      reduces are still in flight (started, not yet waited for) when autograd hands over the next
+      gradient;
+    * memory: at no moment of backward are more than two buckets of full-size gradients alive
+      (besides the one gradient autograd is handing you, and ``grad_shard``): DeepSpeed's double
+      buffer. Measured by a census of the live tensors after every gradient hook;
+    * after ``finish()``: every reduce has completed (waited for), ``grad_shard`` holds the average
+      (padding zero; a parameter no forward used counts as zero), no parameter has a ``.grad``, and
+      no full-size gradient buffer is left;
+    * ``group``: the ranks that share the gradients (default: all of them). Partition, owners and
+      every collective are those of the group; the other ranks may be doing something else meanwhile.
     """
 
     def __init__(self, params, *, bucket_bytes, group=None):

@@ -32,20 +32,40 @@ class Zero3Schedule:
     (call the model itself: your hooks do the work); ``sched.grad_shards[i]`` holds unit i's
     gradient shard, averaged over the ranks, summed over backward passes until ``zero_grad()``.
 
-    Contract (graded, on TinyGPT and on a model whose blocks return tuples):
+    A step computes in this order: the root's part before the blocks (embeddings), blocks 0, 1, ...
+    in forward, the root's part after them (the head, the loss); then backward, in reverse: the head,
+    the blocks from the last to block 0, the embeddings. A unit is *whole* while its ``full`` buffer
+    has storage; a collective is *in flight* from its start (``async_op=True``) until its handle's
+    ``wait()`` returns.
 
-    * when the model's forward starts, the root unit is gathered (it stays gathered until its
-      gradients are complete); every block is gathered right before its forward and freed right
-      after it; blocks are gathered in forward order, and in backward, once more each, in reverse;
-    * with ``prefetch=True``, the all-gather of the block that comes next (in forward: block i+1;
-      in backward: block i-1) is STARTED, asynchronously, when block i starts (its forward, or its
-      backward), so that it runs while block i computes; it is waited for when its turn comes;
-    * never more than two blocks gathered at once (plus the root);
-    * when every gradient of a unit is final: its gradients packed into one flat buffer laid out
-      like ``unit.full``, no ``.grad`` left on its parameters, the unit freed, and its reduce-scatter
-      started from inside backward; at most two reduce-scatters unfinished at any time;
-    * after ``finish()``: every unit freed, every reduce-scatter completed and averaged into
-      ``grad_shards``.
+    Contract: what must hold at every moment of a step. Graded on 3 ranks, on a model whose blocks
+    differ in size and return a tensor, a tuple or a dict, from hooks the grader adds INSIDE each of
+    these computations (after your hooks have run), and from every collective, recorded; values also
+    on TinyGPT, with a parameter no forward uses, and on a subgroup of 3 of 4 ranks.
+
+    * whole: the root, from the start of the forward until its gradients are complete. A block
+      while it computes (its forward, its backward), with its all-gather complete. Besides the root
+      and the computing block, a block may be whole only while its all-gather is in flight, and
+      only if it is the next block to compute: never more than two blocks whole;
+    * in flight, with ``prefetch=True``: while anything computes, the all-gather of the next block
+      to compute is already in flight. That is: during the embeddings' forward, block 0's; during
+      each block's forward but the last one's, the next block's; during the head's backward, the
+      last block's; during each block's backward but block 0's, the block before it. With
+      ``prefetch=False``: no all-gather is in flight while anything computes, and no block but the
+      computing one is whole;
+    * gradients: when all of a unit's gradients are final, they are reduce-scattered from one buffer
+      laid out like ``unit.full``, started inside backward; from then on none of the unit's
+      parameters has a ``.grad``. A unit's reduce-scatter is still in flight while the next unit's
+      backward computes (block 0's: while the embeddings' does); at most two are in flight at any
+      moment. Full-size gradients alive at any moment of backward (``.grad`` and your buffers): at
+      most those of the root, of the unit whose gradients are arriving, and of the unit before it
+      in backward (measured: a census of the live tensors);
+    * bytes: a step's collectives are all-gathers of whole ``full`` buffers and one reduce-scatter
+      per unit, nothing else; no unit is all-gathered more often than the rules above force;
+    * after ``finish()``: every collective waited for, its result averaged into ``grad_shards`` (a
+      parameter that got no gradient counts as zero), every unit freed, no ``.grad`` left;
+    * ``group``: the ranks that share the model (default: all); the other ranks may be doing
+      something else meanwhile.
     """
 
     def __init__(self, model, *, group=None, prefetch=True):
@@ -63,8 +83,9 @@ class Zero3Schedule:
     def setup(self, model):
         """Register what the schedule needs on ``model`` and its units."""
         raise NotImplementedError(
-            "Exercise 05.1: register the hooks that gather, prefetch, free and reduce-scatter each "
-            "unit at the moments the class docstring's contract names.")
+            "Exercise 05.1: design the schedule: which moments of a step you need to see (hooks), "
+            "what to track, and what to start, wait for and free at each, so that the class "
+            "docstring's rules hold at every moment.")
 
     def finish(self):
         """After backward: complete the reduce-scatters, average into grad_shards, free every unit."""

@@ -15,11 +15,12 @@ views into ``self.grads``). What lives where:
             self.master        this rank's parameter shard in fp32 (fp64 for fp64 models)
             self.optimizer     AdamW over [self.master] only: its moments are host, shard-sized
 
-06.1 ``step`` and ``flush``: the order of things, the thread, and what each may touch, are yours.
+06.1 ``step`` and ``flush``: the design is yours: which collectives, in what order, what the thread
+     does and what it may read, what must be copied and when. The class docstring says what is graded.
 06.2 ``host_bytes_per_element``: measure what offload keeps on the host, and explain it.
 
-Tools: ``self.flat.shard(buffer)`` (this rank's slice, a view), ``zerolab.comm.reduce_scatter`` /
-``zerolab.comm.all_gather`` (output may be the rank's own slice of input), ``threading.Thread``.
+Tools: ``self.flat.shard(buffer)`` (this rank's slice of a buffer laid out like ``self.flat.data``,
+a view), ``zerolab.comm`` (collectives that take an explicit group), ``threading``.
 Grade your work: ``make grade`` or ``zerolab.grade.check("06")``.
 """
 import torch
@@ -31,20 +32,27 @@ from zerolab.shard_optim import master_dtype
 
 
 class DelayedOffloadAdam:
-    """``opt = DelayedOffloadAdam(model.parameters(), lr=1e-3)``; per step ``loss.backward();
-    opt.step(); opt.zero_grad()``; ``opt.flush()`` before using the parameters (evaluation, saving).
+    """``opt = DelayedOffloadAdam(model.parameters(), lr=1e-3, group=None)``; per step
+    ``loss.backward(); opt.step(); opt.zero_grad()``; ``opt.flush()`` before using the parameters
+    (evaluation, saving).
 
-    Contract (graded on 2 ranks, float64 and bfloat16):
+    Contract (graded on 3 ranks in float64 with a model that 3 does not divide, on 2 ranks in
+    bfloat16, and on two groups of 2 ranks training side by side; each rule below is measured):
 
-    * ``step()``: this rank's shard of the gradients, averaged over the ranks, goes to the host
-      (reduce-scatter, 2Ψ/N); the update the PREVIOUS ``step()`` started is finished and published
-      (the fp32 master cast into this rank's shard of ``self.flat.data``, then all-gathered); the host
-      update with the new gradient shard is STARTED in a background thread, and ``step()`` returns
-      without waiting for it. So the next forward and backward run on parameters one update behind;
-    * the background update touches host tensors only: the device gradients may be overwritten as
-      soon as ``step()`` returns (the next backward does just that);
-    * ``flush()``: finish the running update and publish it (every rank calls it);
-    * the optimizer's state is the host master's alone.
+    * one update behind: the forward and backward after the k-th ``step()`` run on the parameters
+      updated (AdamW on the host master) with the first k-1 gradients, each averaged over the
+      group's ranks; after ``flush()`` on all k. The values of one process doing the same on the
+      group's batches, to rounding;
+    * overlap: ``step()`` returns before the host update it starts has run; that update runs in the
+      background while the next forward and backward compute (graded: it can finish only after the
+      next backward has begun);
+    * the device's gradients may be overwritten as soon as ``step()`` returns;
+    * traffic: a step sends no more, per rank, than the bytes of ZeRO-Offload's two ring collectives
+      over the padded buffer in the compute dtype, 2(N-1)/N of it; ``flush()`` no more than half that;
+    * placement: the fp32 master (fp64 for fp64 models) and the optimizer's state stay on the host,
+      the optimizer holds state for ``self.master`` alone, and after ``flush()`` the device's
+      parameters are exactly all the ranks' masters cast to the compute dtype;
+    * ``group``: only the group's ranks take part, and another group may train beside it.
     """
 
     def __init__(self, params, *, lr, param_dtype=None, group=None):
@@ -63,8 +71,8 @@ class DelayedOffloadAdam:
 
     def step(self):
         raise NotImplementedError(
-            "Exercise 06.1: send this step's gradient shard to the host, publish the previous update, "
-            "and start this one in the background (see the class docstring's contract).")
+            "Exercise 06.1: this step's gradients to the host, the previous update to the device, and "
+            "this step's update started in the background (see the class docstring's contract).")
 
     def flush(self):
         raise NotImplementedError("Exercise 06.1: finish the running update and publish it.")

@@ -2,8 +2,9 @@
 
 Myth 3, "ZeRO aggregates gradients on a master GPU": lesson 08 builds the master scheme and measures
 rank 0 sending N-1 times what the others send. A parameter server can be SHARDED: K servers, each
-owning 1/K of the tensor. 08.1 builds it from point-to-point messages; measure it for K = 1, 2, N
-in the lesson and see what it becomes when every rank is a server.
+responsible for 1/K of the tensor. 08.1 asks you to design it from point-to-point messages (the
+split, the messages, their order: a schedule that cannot deadlock); measure it for K = 1, 2, N in
+the lesson and see what it becomes when every rank is a server.
 
 Myth 2, "ZeRO compresses gradients": 08.2 measures, on the sockets, how many bytes a real ZeRO
 step sends per gradient element.
@@ -13,17 +14,23 @@ Grade your work:  ``make grade`` or, in lesson 08, ``zerolab.grade.check("08")``
 
 
 def sharded_server_average(tensor, servers, group=None):
-    """Average ``tensor`` over the ranks of ``group``, in place, through ``servers`` parameter servers.
+    """Average ``tensor`` over the ranks of ``group`` (all ranks if None), in place, through
+    ``servers`` = K parameter servers: ranks 0 .. K-1 of the group. Returns ``tensor``.
 
-    Contract (graded on 4 ranks, K = 1, 2, 4, exact values): the tensor's elements are cut into K
-    contiguous slices (``tensor.view(-1).tensor_split(K)``); slice k belongs to server rank k
-    (ranks 0 .. K-1). Every rank sends each slice it does not serve to that slice's server; a server
-    adds what it receives to its own slice, divides by N, and sends the averaged slice back to every
-    other rank. Use only point-to-point ``torch.distributed`` / ``zerolab.comm`` send and recv (the
-    graded tests make every collective raise and record each message): a rank that is not a server
-    talks to servers only, and every byte is sent once on its way in and once on its way out."""
+    Contract (graded on 4 ranks with K = 1 to 4 and tensors of 4096, 10, 6 and 3 elements, and on a
+    subgroup of 3 of the 4 ranks while the fourth does something else; exact values; every message
+    recorded, every collective made to raise):
+
+    * what the servers own: each server is responsible for its part of the tensor's elements, the
+      K parts as even as they can be (their sizes differ by at most one element);
+    * who talks to whom: a rank that is not a server exchanges messages with servers only;
+    * how much: every element travels once to the server responsible for it and, averaged, once
+      from that server to every other rank; nothing else is sent;
+    * only point-to-point messages (``torch.distributed`` or ``zerolab.comm`` send / recv);
+    * ``group``: only its ranks take part; ``servers`` is a number from 1 to the group's size, and
+      anything else is a ValueError naming it."""
     raise NotImplementedError(
-        "Exercise 08.1: average the tensor through K servers that each own one slice of it.")
+        "Exercise 08.1: average the tensor through K servers that each own one part of it.")
 
 
 def bytes_per_element(param_dtype):
@@ -35,6 +42,8 @@ def bytes_per_element(param_dtype):
     ring (a reduce-scatter of the gradients and an all-gather of the parameters: 2(N-1)/N x Ψ).
 
     Measure the bytes (the kernel's counter, ``zerolab.comm.log().measured_bytes``); graded against
-    the grader's own measurement for float32 and bfloat16. Then explain the two numbers."""
+    the grader's own measurement of the same step for float32 and bfloat16, to within a few hundred
+    bytes of socket traffic (a barrier's worth): closer than any formula for it comes. Then explain
+    the two numbers, and what the sockets carry beyond the formula."""
     raise NotImplementedError(
         "Exercise 08.2: measure one step's socket bytes and divide by the elements the ring carries.")

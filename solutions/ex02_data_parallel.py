@@ -1,13 +1,44 @@
-"""Worked answers to exercise 02: bucketed, overlapped gradient averaging with no_sync, and torch
-DDP's buckets measured (see lesson 02). zerolab.data_parallel.BucketedGradSync is the full version."""
+"""Worked answers to exercise 02: bucketed, overlapped gradient averaging with no_sync and parameters
+a forward leaves unused, and torch DDP's buckets measured (see lesson 02).
+zerolab.data_parallel.BucketedGradSync is the full version of the bucketing (mixed precision, checks,
+timelines)."""
 import contextlib
 
 import torch
 import torch.distributed as dist
 
-from zerolab import comm
 from zerolab.data_parallel import Bucket, assign_buckets
 from zerolab.flat import unique_trainable
+
+
+def _tensors(value):
+    """Every tensor in a forward's output (a tensor, or lists, tuples and dicts of them)."""
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _reached(outputs):
+    """The ids of the leaves (parameters) the autograd graph behind ``outputs`` accumulates into:
+    exactly the parameters the coming backward will hand a gradient (DDP's find_unused_parameters
+    walks the same graph; Li et al., VLDB 2020, Sec. 3.2.3)."""
+    found, seen = set(), set()
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)      # an AccumulateGrad node: its parameter
+        if leaf is not None:
+            found.add(id(leaf))
+        stack.extend(child for child, _ in node.next_functions)
+    return found
 
 
 class BucketedAverager:
@@ -18,19 +49,38 @@ class BucketedAverager:
         self.bucket_of = {}
         for b in self.buckets:
             for p, view in zip(b.params, b.views):
+                if p.grad is not None:
+                    view.copy_(p.grad)
                 p.grad = view                               # autograd accumulates into the bucket
                 self.bucket_of[p] = b
                 p.register_post_accumulate_grad_hook(self._ready)
-        self.sync = True
+        module.register_forward_hook(self._after_forward)
+        self.sync, self.reached = True, None
         self._reset()
+
+    def _after_forward(self, module, args, output):
+        if torch.is_grad_enabled():                         # what the next backward will reach
+            self.reached = (self.reached or set()) | _reached(output)
 
     def _reset(self):
         self.missing = [len(b.params) for b in self.buckets]   # grads not final yet, per bucket
-        self.next, self.works = 0, []
+        self.next, self.works, self.done = 0, [], set()
 
     def _ready(self, param):
-        if not self.sync:
-            return                                          # no_sync: accumulate locally only
+        if self.reached is not None:                        # the first gradient of this backward:
+            reached, self.reached = self.reached, None      # parameters the forward did not use get
+            if self.sync:                                   # none; their gradients are final already
+                for p in self.bucket_of:
+                    if id(p) not in reached:
+                        self._count(p)
+        if self.sync:
+            self._count(param)
+
+    def _count(self, param):
+        if param in self.done:
+            raise RuntimeError("a gradient arrived twice before finish(): call finish() after each "
+                               "synchronising backward")
+        self.done.add(param)
         self.missing[self.bucket_of[param].index] -= 1
         while self.next < len(self.buckets) and self.missing[self.next] == 0:
             self._launch()                                  # in index order on every rank
@@ -38,11 +88,11 @@ class BucketedAverager:
     def _launch(self):
         b = self.buckets[self.next]
         b.buffer.div_(self.n)                               # Σ g/N over ranks = the mean
-        self.works.append(comm.all_reduce(b.buffer, group=self.group, async_op=True))
+        self.works.append(dist.all_reduce(b.buffer, group=self.group, async_op=True))
         self.next += 1
 
     def finish(self):
-        while self.next < len(self.buckets):                # a bucket with an unused parameter
+        while self.next < len(self.buckets):                # nothing came for these (no backward ran)
             self._launch()
         for w in self.works:
             w.wait()

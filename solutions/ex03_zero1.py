@@ -37,12 +37,15 @@ class ParamZero1:
         for r, ps in enumerate(self.partition):
             if not ps:
                 continue
+            # An unused parameter (no gradient on any rank) travels as zeros, so that every rank
+            # packs the same layout, and gets no gradient back: AdamW then skips it, as one process
+            # would (a zero gradient would still move it, by weight decay and by its moments).
             flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps])
             dist.reduce(flat, dst=self._global(r), group=self.group)
             if r == self.rank:
                 flat /= self.world_size                          # the sum over ranks -> the mean
                 for p, g in zip(ps, flat.split([p.numel() for p in ps])):
-                    p.grad = g.view_as(p)
+                    p.grad = None if p.grad is None else g.view_as(p)
         self.local.step()                                        # Adam on the owned parameters only
         for r, ps in enumerate(self.partition):                  # the owner's new values to every rank
             if not ps:

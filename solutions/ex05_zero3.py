@@ -30,6 +30,7 @@ class Zero3Schedule:
         self.arrived = {}
         self.unit_of = {id(p): u for u in self.units for p in u.flat.params}
         model.register_forward_pre_hook(self._model_start)
+        model.register_forward_hook(self._model_end)
         for i, u in enumerate(self.blocks):
             u.module.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
             u.module.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out))
@@ -57,6 +58,12 @@ class Zero3Schedule:
             self._ready(self.root)               # embeddings, head: kept until their gradients
         if self.blocks:
             self._start(self.blocks[0])
+
+    def _model_end(self, module, args, output):
+        if torch.is_grad_enabled() and self.blocks:
+            # Backward starts at the loss, with the head (root): the last block's all-gather starts
+            # then, so that it runs under the head's backward (FSDP2's root pre-backward does the same).
+            register_pre_backward(output, lambda: self._start(self.blocks[-1]))
 
     def _before_forward(self, i):
         self._ready(self.blocks[i])

@@ -6,37 +6,55 @@ from zerolab.activations import SavedTensors
 
 
 class _Checkpoint(torch.autograd.Function):
-    """Forward without a graph, keeping only the input; backward recomputes the block with a graph
-    and backpropagates through it (what torch.utils.checkpoint's reentrant variant does)."""
+    """Forward without a graph, keeping only the input (and the generator's state); backward replays
+    the block with a graph, from the same random state, and backpropagates through it.
+
+    The block's parameters are inputs of the Function too (not saved: only referenced), so that the
+    output requires grad whenever a parameter does, even when ``x`` does not (the first block of a
+    model whose embeddings are frozen: torch.utils.checkpoint's reentrant variant returns an output
+    that requires no grad there, and the parameters silently get nothing)."""
 
     @staticmethod
-    def forward(ctx, x, block):
+    def forward(ctx, block, x, *params):
         ctx.block = block
-        ctx.save_for_backward(x)                 # the only tensor kept: e·s·b·h bytes
+        ctx.rng = torch.get_rng_state()          # the draws forward makes (dropout), replayed later
+        ctx.save_for_backward(x)                 # the only activation kept: e·s·b·h bytes
         with torch.no_grad():                    # (autograd runs Function.forward without a graph anyway)
             return block(x)
 
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        x = x.detach().requires_grad_(x.requires_grad)   # a fresh leaf: the recomputation's own graph
-        with torch.enable_grad():
-            out = ctx.block(x)                   # the recomputation: one more forward of the block
-        torch.autograd.backward(out, grad_out)   # accumulates the parameters' .grad, and x.grad
-        return x.grad, None                      # d loss / d x flows on; the block is no tensor
+        x = x.detach().requires_grad_(ctx.needs_input_grad[1])   # the recomputation's own leaf
+        params = list(ctx.block.parameters())
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
+        # Replay the forward's random numbers, then give the caller's generator back untouched:
+        # its stream continues as if no recomputation had happened (torch.utils.checkpoint's
+        # preserve_rng_state; on a GPU the device generators would be stashed the same way).
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                out = ctx.block(x)               # the recomputation: one more forward of the block
+        inputs = ([x] if x.requires_grad else []) + wanted
+        grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True)) if inputs else []
+        gx = grads.pop(0) if x.requires_grad else None
+        by_param = dict(zip(map(id, wanted), grads))
+        # Returned, not written: autograd adds them to each parameter's .grad (AccumulateGrad),
+        # exactly as a plain backward would, hooks included (ZeRO-3's reduce-scatter hooks).
+        return (None, gx, *(by_param.get(id(p)) for p in params))
 
 
 def checkpointed(block, x):
     """``block(x)``, keeping only ``x`` for backward (see the exercise for the contract)."""
-    return _Checkpoint.apply(x, block)
+    return _Checkpoint.apply(block, x, *block.parameters())
 
 
 def crossover_seq_len(d_model, n_heads):
     """Measured: the block's saved bytes at two sequence lengths give f(s) = c2·s² + c1·s (per
     sequence; nothing is independent of s). The (B, heads, s, s) softmax output is the c2 term; it
-    exceeds the rest once s > c1 / c2. For float32 without dropout that is (16·h + 4) / a: 16 values
-    per token and hidden unit (the paper's 34 bytes less its two dropout masks, over 2 bytes per value)
-    plus the two LayerNorms' mean and 1/std per token, against a·s probabilities per token."""
+    exceeds the rest once c2·s > c1: the smallest such integer s. Explained: 16 values per token and
+    hidden unit (the paper's 34 bytes less its two dropout masks, over 2 bytes per value) plus the
+    two LayerNorms' mean and 1/std per token, against a·s probabilities per token."""
     def saved(s):
         model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
         x, y = models.batch("gpt", model=model, batch_size=1)
@@ -46,7 +64,7 @@ def crossover_seq_len(d_model, n_heads):
 
     s1, s2 = 8, 16
     f1, f2 = saved(s1), saved(s2)
-    # f = c2·s² + c1·s at two points: two equations, two unknowns
-    c2 = (f2 / s2 - f1 / s1) / (s2 - s1)
-    c1 = f1 / s1 - c2 * s1
-    return int(c1 // c2) + 1
+    # f = c2·s² + c1·s at two points: two equations, two unknowns (integers: bytes)
+    c2 = (f2 * s1 - f1 * s2) // (s1 * s2 * (s2 - s1))
+    c1 = f1 // s1 - c2 * s1
+    return c1 // c2 + 1                          # smallest s with c2·s > c1

@@ -1,6 +1,7 @@
-"""Exercise 11 — per-parameter sharding, the overflow check and clipping with sharded gradients
-(worked answers). See exercises/ex11_fully_shard.py and zerolab/fully_sharded.py,
-zerolab/mixed_precision.py for the versions the course runs."""
+"""Exercise 11 — FSDP2's dim-0 pieces, and the overflow check and clipping of a gradient held in a
+mixed layout (worked answers). See exercises/ex11_fully_shard.py for the contracts, and
+zerolab/fully_sharded.py, zerolab/mixed_precision.py for the versions the course runs (on the
+layouts its engines produce: shards, and gradients every rank holds)."""
 import torch
 import torch.distributed as dist
 
@@ -23,25 +24,50 @@ def unshard_dim0(shard, rows, group=None):
     return full[:rows]                                         # drop the padding rows
 
 
-def found_inf(grads, group=None):
-    flag = torch.zeros(1)
-    for g in grads:
-        if not torch.isfinite(g).all():            # only MY shard: someone else may hold the inf
+def _slices(t, budget_bytes):
+    """``t`` read flat in slices small enough that a float64 copy of one stays well inside the
+    budget (8 bytes per element, and room for the collective's own few bytes)."""
+    k = max(1, budget_bytes // 32)
+    return t.reshape(-1).split(k)
+
+
+def _sum_of_squares(pieces, group, budget_bytes):
+    """Σ g² over the elements this rank is responsible for, in float64: every piece it holds, each
+    copy of a piece held by k ranks weighted 1/k (so the k copies add up to one). The squares are
+    taken in float64, slice by slice: an fp16 gradient of 300 squares to inf in fp16, and a
+    float64 copy of a whole piece would be 4x an fp16 piece's bytes."""
+    total = torch.zeros((), dtype=torch.float64)
+    for g, holders in pieces:
+        part = torch.zeros((), dtype=torch.float64)
+        for s in _slices(g, budget_bytes):
+            part += torch.linalg.vector_norm(s, dtype=torch.float64) ** 2
+        total += part / len(holders)              # inf or NaN stay inf or NaN
+    return total
+
+
+def found_inf(pieces, group=None, *, budget_bytes=64 * 1024):
+    flag = torch.zeros((), dtype=torch.float64)
+    for g, _ in pieces:                            # only what I hold: a copy elsewhere is the same
+        # largest and smallest element: NaN propagates through both, +inf and -inf each show in
+        # one; no temporary the size of the piece (isfinite(g) would be one byte per element)
+        if g.numel() and not (torch.isfinite(g.amax()) and torch.isfinite(g.amin())):
             flag.fill_(1.0)
-    comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # 1 if any rank saw one
+            break
+    comm.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)   # 1 on every rank if any rank saw one
     return bool(flag.item())
 
 
-def clip_grad_norm_(sharded, replicated, max_norm, group=None):
-    total = torch.zeros((), dtype=torch.float64)
-    for g in sharded:                               # each element lives on exactly one rank
-        total += g.double().pow(2).sum()
-    if dist.get_rank(group) == 0:                   # identical everywhere: count them once
-        for g in replicated:
-            total += g.double().pow(2).sum()
-    comm.all_reduce(total, group=group)             # Σ over ranks = ||g||²
+def clip_grad_norm_(pieces, max_norm, group=None, *, budget_bytes=64 * 1024):
+    total = _sum_of_squares(pieces, group, budget_bytes)
+    # ONE scalar on the wire answers both questions: a sum of squares is finite exactly when every
+    # element is (squares are never negative: no inf - inf), so an overflow anywhere makes the
+    # all-reduced sum inf or NaN on every rank.
+    comm.all_reduce(total, group=group)
     norm = total.sqrt()
-    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    for g in list(sharded) + list(replicated):
-        g.mul_(coef)
+    if not torch.isfinite(norm):
+        return norm                                # the step will be skipped: change nothing
+    coef = float(torch.clamp(max_norm / (norm + 1e-6), max=1.0))   # torch's coefficient
+    if coef < 1.0:
+        for g, _ in pieces:                        # every holder scales its copy alike
+            g.mul_(coef)
     return norm

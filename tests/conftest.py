@@ -85,8 +85,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 class _Clusters:
-    def __init__(self):
-        self._live = {}
+    def __init__(self, isolation=None):
+        self._live, self._isolation = {}, isolation
 
     def __call__(self, world_size):
         from zerolab import Cluster
@@ -94,7 +94,7 @@ class _Clusters:
             # ZEROLAB_TEST_TIMEOUT: per-run timeout of the shared ranks; `zerolab grade --rank-timeout`
             # sets it below the per-test limit, so a stuck test ends as a RankTimeout, not a kill
             timeout = float(os.environ.get("ZEROLAB_TEST_TIMEOUT", 60))
-            self._live[world_size] = Cluster(world_size, timeout=timeout)
+            self._live[world_size] = Cluster(world_size, timeout=timeout, isolation=self._isolation)
         return self._live[world_size]
 
     def live(self):
@@ -107,8 +107,19 @@ class _Clusters:
 
 @pytest.fixture(scope="session")
 def clusters():
-    """``clusters(n)`` -> a live zerolab.Cluster of n ranks, shared by every test in the session."""
+    """``clusters(n)`` -> a live zerolab.Cluster of n ranks, shared by every test in the session.
+    Trusted code only: a graded test runs the submission through ``student`` instead."""
     pool = _Clusters()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def student_clusters():
+    """Like ``clusters``, for the submission's code: isolated ranks (plain-data replies; under
+    ``zerolab grade``, the sandbox: zerolab.grade.helpers.isolation)."""
+    from zerolab.grade.helpers import isolation
+    pool = _Clusters(isolation())
     yield pool
     pool.close()
 

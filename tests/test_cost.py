@@ -119,10 +119,90 @@ def test_engine_schedule_by_phase():
 
 
 def test_activation_bytes_by_hand():
-    # s=2, b=1, h=4, a=2: per layer 2*1*4*(34 + 5*2*2/4) = 8 * 39 = 312 bytes
-    assert cost.activation_bytes(layers=3, hidden=4, seq_len=2, micro_batch=1, heads=2) == 3 * 312
-    assert cost.activation_bytes(layers=3, hidden=4, seq_len=2, micro_batch=1, heads=2,
-                                 checkpointing=True) == 3 * 2 * 2 * 4 + 312
+    # s=2, b=1, h=4, a=2. The paper's setting (naive attention, dropout): per layer
+    # 2*1*4*(34 + 5*2*2/4) = 8 * 39 = 312 bytes
+    kw = dict(layers=3, hidden=4, seq_len=2, micro_batch=1, heads=2)
+    assert cost.activation_bytes(attention="paper", **kw) == 3 * 312
+    # full: each layer's 2-byte input, and during backward one layer's working set (its input once)
+    assert cost.activation_bytes(attention="paper", recompute="full", **kw) == 3 * 2 * 2 * 4 + 312 - 16
+    # selective drops the s² terms (5·a·s²·b = 40 bytes), and holds one layer's core attention on top
+    assert cost.activation_bytes(attention="paper", recompute="selective", **kw) == 3 * 272 + 40
+    # fused, no dropout (the default): 32·s·b·h = 256 bytes + the fp32 logsumexp 4·a·s·b = 16 per layer;
+    # selective recomputation then saves only the logsumexp
+    assert cost.activation_bytes(**kw) == 3 * (256 + 16)
+    assert cost.activation_bytes(recompute="selective", **kw) == 3 * 256 + 16
+    assert cost.activation_bytes(recompute=True, **kw) == 3 * 16 + 272 - 16
+    # at GPT-3's ratio a = h/128 and s = 2048 the paper's layer is 114·sbh: ~3.5x the fused kernel's
+    big = dict(layers=1, hidden=12288, seq_len=2048, micro_batch=1, heads=96)
+    ratio = cost.activation_bytes(attention="paper", **big) / cost.activation_bytes(**big)
+    assert ratio == pytest.approx(114 / 32, rel=0.01)
+    with pytest.raises(ValueError, match="attention='flash'"):
+        cost.activation_bytes(attention="flash", **kw)
+    with pytest.raises(ValueError, match="recompute='partial'"):
+        cost.activation_bytes(recompute="partial", **kw)
+
+
+def test_attention_flops_and_selective_recomputation_by_hand():
+    # 2 layers, s = 1000, h = 500: the core attention's forward is 4·L·s·h = 4e6 FLOPs per token
+    a = cost.attention_flops(layers=2, hidden=500, seq_len=1000)
+    assert a == 4e6
+    rate = HW.peak_flops * HW.mfu                               # 5e13
+    psi, tokens = 1e9, 1000
+    none = cost.compute_phases(psi, tokens, HW, attention=a)
+    assert none == pytest.approx({"forward": (2 * psi + a) * tokens / rate,
+                                  "backward": (4 * psi + 2 * a) * tokens / rate})
+    sel = cost.compute_phases(psi, tokens, HW, recompute="selective", attention=a)
+    assert sel["backward"] - none["backward"] == pytest.approx(a * tokens / rate)      # one more attention forward
+    full = cost.compute_phases(psi, tokens, HW, recompute="full", attention=a)
+    assert full["backward"] - none["backward"] == pytest.approx((2 * psi + a) * tokens / rate)
+    full_by_flag = cost.compute_phases(psi, tokens, HW, recompute=True)
+    assert full_by_flag == cost.compute_phases(psi, tokens, HW, recompute="full")
+    with pytest.raises(ValueError, match="recompute='some'"):
+        cost.compute_phases(psi, tokens, HW, recompute="some")
+
+
+def test_stage3_units_expose_the_first_gathers_and_the_last_reduction():
+    # FAST: 2 GB gathers take 15 ms on 4 ranks, no latency. Cut in 10 units, prefetch hides all but the
+    # first unit's gather of forward and of backward, and the last unit's reduce-scatter: 3 x 1.5 ms
+    psi, n, tokens, one = 1e9, 4, 10_000, 0.015
+    t = cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=FAST, units=10)
+    assert t["comm"] == pytest.approx(3 * one)
+    assert t["phases"]["forward"]["exposed"] == pytest.approx(one / 10)
+    assert t["phases"]["backward"]["exposed"] == pytest.approx(2 * one / 10)
+    assert t["total"] == pytest.approx(1.2 + 3 * one / 10)
+    # each unit's call pays its own latency: 10 calls of 1/10 the bytes
+    lat = dataclasses.replace(FAST, link_latency=1e-4)
+    t_lat = cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=lat, units=10, overlap=False)
+    assert t_lat["comm"] == pytest.approx(3 * (one + 10 * 3 * 1e-4))
+    # a per-unit overhead of 1 ms per gather: 10 gathers in forward, 10 in backward, never hidden
+    t_o = cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=FAST, units=10, unit_overhead=1e-3)
+    assert t_o["total"] - t["total"] == pytest.approx(20e-3)
+    # without prefetch nothing changes for the gathers (all exposed anyway); units do not touch stages 0-2
+    assert cost.step_time(psi, n, 1, tokens_per_rank=tokens, hw=FAST, units=10) == \
+        cost.step_time(psi, n, 1, tokens_per_rank=tokens, hw=FAST)
+    with pytest.raises(ValueError, match="units=0"):
+        cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=FAST, units=0)
+    with pytest.raises(ValueError, match="unit_overhead"):
+        cost.step_time(psi, n, 3, tokens_per_rank=tokens, hw=FAST, unit_overhead=-1.0)
+
+
+def test_offload_gradient_copy_hides_under_backward():
+    # N = 4, Ψ = 1e9: shard 2.5e8 params. Down: 2 B x 2.5e8 / 2 GB/s = 0.25 s; up 0.25 s; Adam 2.5 s.
+    # 10,000 tokens: backward 0.8 s hides the copy down (stage 2); the rest (2.75 s) is the step phase
+    t = cost.step_time(1e9, 4, 2, tokens_per_rank=10_000, hw=FAST, offload=True)
+    assert t["offload"] == pytest.approx(3.0)
+    assert (t["forward"], t["backward"]) == pytest.approx((0.4, 0.8))
+    assert t["step"] == pytest.approx(0.015 + 0.25 + 2.5)
+    # 1,000 tokens: backward 0.08 s hides the 15 ms reduce-scatter (network) and 0.08 s of the 0.25 s
+    # copy (the host link: another wire, beside the same compute)
+    t = cost.step_time(1e9, 4, 2, tokens_per_rank=1000, hw=FAST, offload=True)
+    assert t["backward"] == pytest.approx(0.08 + (0.25 - 0.08))
+    # no overlap (CPU ranks): everything adds, the copy in backward
+    t = cost.step_time(1e9, 4, 2, tokens_per_rank=10_000, hw=FAST, offload=True, overlap=False)
+    assert t["total"] == pytest.approx(1.2 + 2 * 0.015 + 3.0)
+    # stage 1 reduces once, at the end of backward: its copy is in the step phase
+    t = cost.step_time(1e9, 4, 1, tokens_per_rank=10_000, hw=FAST, offload=True)
+    assert t["step"] == pytest.approx(0.015 + 3.0)
 
 
 def test_zero_paper_largest_models_on_64_v100s():
@@ -194,7 +274,7 @@ SHAPE = {"layers": 10, "hidden": 1000, "heads": 10}
 def _act(b, recompute):
     s, h, a, L = 1000, 1000, 10, 10
     per_layer = s * b * h * (34 + 5 * a * s / h)            # 84 MB per sequence per layer
-    return L * 2 * s * b * h + per_layer if recompute else L * per_layer
+    return L * 2 * s * b * h + per_layer - 2 * s * b * h if recompute else L * per_layer
 
 
 def test_plan_credits_freed_gradient_memory_to_a_larger_micro_batch():
@@ -202,18 +282,18 @@ def test_plan_credits_freed_gradient_memory_to_a_larger_micro_batch():
     # Model states: ZeRO-1 4Ψ + 12Ψ/8 = 550 MB, ZeRO-2 2Ψ + 14Ψ/8 = 375 MB, ZeRO-3 200 MB.
     hw = cost.Hardware("small", 2.4e9, 100e12, 0.5, 100e9, 0.0, 2e9, 1e8)
     rows = {(r["stage"], r["offload"]): r for r in
-            cost.plan(1e8, 8, hw, tokens_per_rank=8000, shape=SHAPE, seq_len=1000)}
+            cost.plan(1e8, 8, hw, tokens_per_rank=8000, shape=SHAPE, seq_len=1000, attention="paper")}
     # 840 MB of activations per sequence: ZeRO-1 fits 2 per micro-batch (1.85 GB left), ZeRO-2 and 3 fit
     # 2 as well (2.025, 2.2 GB) -> all need 4 micro-batches, no recomputation
     assert _act(2, False) <= 2.4e9 - 550e6 < _act(4, False)
     assert rows[(1, False)]["micro_batch"] == 2 and not rows[(1, False)]["recompute"]
     hw2 = dataclasses.replace(hw, device_memory=4.0e9)       # 3.45 / 3.625 / 3.8 GB left
-    plan = cost.plan(1e8, 8, hw2, tokens_per_rank=8000, shape=SHAPE, seq_len=1000)
+    plan = cost.plan(1e8, 8, hw2, tokens_per_rank=8000, shape=SHAPE, seq_len=1000, attention="paper")
     rows = {(r["stage"], r["offload"]): r for r in plan}
     assert _act(4, False) <= 4.0e9 - 550e6                    # 3.36 GB: ZeRO-1 fits 4 sequences ...
     assert rows[(1, False)]["micro_batch"] == 4 and rows[(2, False)]["micro_batch"] == 4
     hw3 = dataclasses.replace(hw, device_memory=3.8e9)        # ZeRO-1 3.25 GB left: 2; ZeRO-2 3.425 GB: 4
-    plan = cost.plan(1e8, 8, hw3, tokens_per_rank=8000, shape=SHAPE, seq_len=1000)
+    plan = cost.plan(1e8, 8, hw3, tokens_per_rank=8000, shape=SHAPE, seq_len=1000, attention="paper")
     rows = {(r["stage"], r["offload"]): r for r in plan}
     assert (rows[(1, False)]["micro_batch"], rows[(2, False)]["micro_batch"]) == (2, 4)
     # equally fast within 5% (a fast link hides everything): the larger micro-batch wins, ZeRO-2 over ZeRO-1
@@ -223,17 +303,28 @@ def test_plan_credits_freed_gradient_memory_to_a_larger_micro_batch():
     assert rows[(0, False)]["micro_batch"] == 2
 
 
-def test_plan_recomputes_only_when_needed_and_pays_8_psi():
+def test_plan_recomputes_only_when_needed_selectively_first():
+    # the paper's attention: per sequence and layer 84 MB = s·h·(34 + 50), of which 50 MB the s² terms
     hw = cost.Hardware("tight", 1.2e9, 100e12, 0.5, 100e9, 0.0, 2e9, 1e8)
     rows = {(r["stage"], r["offload"]): r for r in
-            cost.plan(1e8, 8, hw, tokens_per_rank=1000, shape=SHAPE, seq_len=1000)}
+            cost.plan(1e8, 8, hw, tokens_per_rank=1000, shape=SHAPE, seq_len=1000, attention="paper")}
+    attn = 4 * 10 * 1000 * 1000                              # the core attention's forward, per token
     # ZeRO-3: 200 MB of states, 1.0 GB left: one sequence (840 MB) fits without recomputation
-    assert rows[(3, False)]["micro_batch"] == 1 and not rows[(3, False)]["recompute"]
-    # ZeRO-1: 550 MB of states, 650 MB left: only with full recomputation (20 MB + 84 MB)
+    r3 = rows[(3, False)]
+    assert r3["micro_batch"] == 1 and r3["recompute"] is None
+    assert r3["times"]["compute"] == pytest.approx((6 * 1e8 + 3 * attn) * 1000 / 50e12)
+    # ZeRO-1: 550 MB of states, 650 MB left: selective recomputation fits (10 x 34 MB + one layer's 50 MB),
+    # for one more attention forward, not a whole forward
     r1 = rows[(1, False)]
-    assert r1["recompute"] and r1["fits"] and r1["activation_bytes"] == pytest.approx(_act(1, True))
-    assert r1["times"]["compute"] == pytest.approx(8 * 1e8 * 1000 / 50e12)
-    assert rows[(3, False)]["times"]["compute"] == pytest.approx(6 * 1e8 * 1000 / 50e12)
+    assert r1["recompute"] == "selective" and r1["fits"]
+    assert r1["activation_bytes"] == pytest.approx(10 * 34e6 + 50e6)
+    assert r1["times"]["compute"] == pytest.approx((6 * 1e8 + 4 * attn) * 1000 / 50e12)
+    # 250 MB left (0.8 GB device): only full recomputation fits (20 MB + one layer, its input once); 8Ψ
+    r1 = {(r["stage"], r["offload"]): r for r in
+          cost.plan(1e8, 8, dataclasses.replace(hw, device_memory=0.8e9), tokens_per_rank=1000, shape=SHAPE,
+                    seq_len=1000, attention="paper")}[(1, False)]
+    assert r1["recompute"] == "full" and r1["activation_bytes"] == pytest.approx(_act(1, True))
+    assert r1["times"]["compute"] == pytest.approx((8 * 1e8 + 4 * attn) * 1000 / 50e12)
     # DP: 1.6 GB of states: does not fit at all
     assert not rows[(0, False)]["fits"]
     with pytest.raises(ValueError, match="sequences"):
@@ -247,24 +338,106 @@ def test_gpt_shape_and_assumptions():
     assert shape["layers"] == pytest.approx(96, rel=0.01) and shape["hidden"] == pytest.approx(12288, rel=0.01)
     assert 12 * shape["layers"] * shape["hidden"] ** 2 == pytest.approx(175e9, rel=0.02)
     whats = [a[0] for a in cost.PLANNER_ASSUMPTIONS]
-    assert {"activations", "compute", "communication", "choice"} <= set(whats)
+    assert {"activations", "recomputation", "compute", "communication", "choice", "not modelled"} <= set(whats)
+
+
+def test_plan_chooses_stage3_for_memory_not_for_a_predicted_edge():
+    # 8 GPUs of 40 GB, a slow link: in DeepSpeed's order stage 1-2's all-gather after the update is
+    # exposed, stage 3's prefetched gathers hide: the model predicts stage 3 faster.
+    # (DP's 16 GB of states do not fit; ZeRO-1 5.5 GB + 4 sequences of ~2.5 GB of activations do)
+    hw = cost.Hardware("edge", 16e9, 100e12, 0.5, 10e9, 0.0, 2e9, 1e8)
+    shape = cost.gpt_shape(1e9)
+    kw = dict(tokens_per_rank=8192, shape=shape, seq_len=2048)
+    speed = cost.plan(int(1e9), 8, hw, stage3="speed", **kw)
+    rows = {(r["stage"], r["offload"]): r for r in speed}
+    assert rows[(3, False)]["step_s"] < 0.95 * rows[(1, False)]["step_s"]
+    assert speed[0]["stage"] == 3
+    # the default rule: stages 0-2 fit the same micro-batch without recomputation, so stage 3 does not win
+    memory = cost.plan(int(1e9), 8, hw, **kw)
+    assert memory[0]["stage"] < 3 and memory[0]["micro_batch"] == rows[(3, False)]["micro_batch"]
+    # where only stage 3 fits the micro-batch (a tighter device), stage 3 wins under either rule
+    tight = dataclasses.replace(hw, device_memory=12e9)      # ZeRO-2: 3.75 GB of states, ZeRO-3: 2 GB
+    best = cost.plan(int(1e9), 8, tight, **kw)[0]
+    assert best["stage"] == 3 and best["fits"]
+    with pytest.raises(ValueError, match="stage3='fast'"):
+        cost.plan(int(1e9), 8, hw, stage3="fast", **kw)
+
+
+def test_plan_offers_selective_recomputation_where_it_saves_memory():
+    # the paper's attention (naive, dropout) on a device where the s² terms decide: selective
+    # recomputation fits what no recomputation cannot, at a few percent of compute
+    # per sequence and layer: 194·s·h bytes (814 MB) with the paper's attention, 34·s·h without its s²
+    # terms (selective), 32·s·h with a fused kernel; 6 GB: no recomputation fits no sequence
+    hw = cost.Hardware("sel", 6e9, 100e12, 0.5, 100e9, 0.0, 2e9, 1e8)
+    shape = {"layers": 8, "hidden": 1024, "heads": 8}
+    rows = {(r["stage"], r["offload"]): r for r in
+            cost.plan(1e8, 8, hw, tokens_per_rank=4 * 4096, shape=shape, seq_len=4096, attention="paper")}
+    r = rows[(3, False)]
+    assert r["recompute"] == "selective" and r["fits"]
+    none = cost.step_time(1e8, 8, 3, tokens_per_rank=4 * 4096, hw=hw, micro_batches=r["micro_batches"],
+                          attention=cost.attention_flops(seq_len=4096, **{k: shape[k] for k in ("layers", "hidden")}),
+                          units=8)
+    a = cost.attention_flops(layers=8, hidden=1024, seq_len=4096)           # one more attention forward
+    assert r["times"]["compute"] / none["compute"] == pytest.approx((6e8 + 4 * a) / (6e8 + 3 * a))
+    # with the fused kernel the same shapes fit without any recomputation
+    fused = {(q["stage"], q["offload"]): q for q in
+             cost.plan(1e8, 8, hw, tokens_per_rank=4 * 4096, shape=shape, seq_len=4096)}
+    assert fused[(3, False)]["recompute"] is None
 
 
 # -- two links (lesson 12) ---------------------------------------------------------------------------
 def test_hybrid_link_bytes_by_hand():
-    psi, m, p = 1e9, 4, 8                                    # 32 ranks, bf16 words
-    n = m * p
+    # bytes per NODE per step (ZeRO++'s "cross-node volume"), M = 2Ψ bytes, 4 nodes of 8
+    psi, m, p = 1e9, 4, 8
+    n, M = m * p, 2 * psi
     z3 = cost.hybrid_link_bytes(psi, m, p, "zero3")
-    assert z3 == {"intra": 0.0, "inter": pytest.approx(3 * 2 * psi * (n - 1) / n)}     # ZeRO's 3Ψ
+    # three rings over all N: each leaves the node once (3M (N-1)/N across), p-1 hops stay inside
+    assert z3 == {"intra": pytest.approx(3 * M * (n - 1) / n * (p - 1)), "inter": pytest.approx(3 * M * (n - 1) / n)}
     hsdp = cost.hybrid_link_bytes(psi, m, p, "hsdp")
-    assert hsdp["intra"] == pytest.approx(3 * 2 * psi * (p - 1) / p)
-    assert hsdp["inter"] == pytest.approx(2 * (m - 1) / m * 2 * psi / p)              # shard all-reduce
+    assert hsdp["intra"] == pytest.approx(p * 3 * M * (p - 1) / p)
+    # p GPUs each all-reduce a 1/p shard across nodes: 2(m-1)/m x M per node, a DDP all-reduce's bytes
+    assert hsdp["inter"] == pytest.approx(2 * (m - 1) / m * M)
+    ddp_per_node = 2 * M * (n - 1) / n
+    assert hsdp["inter"] / ddp_per_node == pytest.approx((m - 1) / m * n / (n - 1))
+    assert hsdp["inter"] / z3["inter"] == pytest.approx(2 * (m - 1) / m / (3 * (n - 1) / n))
+    big = {s: cost.hybrid_link_bytes(psi, 64, 8, s)["inter"] for s in ("zero3", "hsdp")}
+    assert big["hsdp"] / big["zero3"] == pytest.approx(2 / 3, rel=0.02)         # the gathers' third saved
     hpz = cost.hybrid_link_bytes(psi, m, p, "hpz")
-    assert hpz["inter"] == pytest.approx(2 / 3 * z3["inter"])                          # 3M -> 2M
+    assert hpz["inter"] == pytest.approx(2 / 3 * z3["inter"])                 # 3M -> 2M
     zpp = cost.hybrid_link_bytes(psi, m, p, "zero++", block=2048)
     int8, int4 = psi * (1 + 4 / 2048), psi * (0.5 + 4 / 2048)
-    assert zpp["inter"] == pytest.approx(int8 * (n - 1) / n + int4 / p * (m - 1) / m)
-    assert zpp["intra"] == pytest.approx(2 * psi * (p - 1) / p + int4 * (p - 1) / p)
+    assert zpp["inter"] == pytest.approx(int8 * (n - 1) / n + int4 * (m - 1) / m)
+    zpp64 = cost.hybrid_link_bytes(psi, 64, p, "zero++", block=2048)["inter"]
+    assert zpp64 / M == pytest.approx(0.75, rel=0.01)                           # ZeRO++ Sec. 3: 0.75M
+    assert zpp["intra"] == pytest.approx(p * 2 * psi * (p - 1) / p + int8 * (n - 1) / n * (p - 1)
+                                         + p * int4 * (p - 1) / p)
+    one = cost.hybrid_link_bytes(psi, 1, p, "zero3")                           # one node: nothing crosses
+    assert one == {"intra": pytest.approx(3 * M * (p - 1)), "inter": 0.0}
+
+
+def test_rules_of_thumb_by_hand():
+    # F = 5e13 FLOP/s, B = 1e9 B/s, bf16: stage 3 hides from F/B = 50,000 tokens per GPU in both phases
+    assert cost.tokens_to_hide(3, HW) == {"forward": 5e4, "backward": 5e4, "exposed_bytes_per_param": 0.0}
+    assert cost.tokens_to_hide(0, HW)["backward"] == 5e4
+    ds = cost.tokens_to_hide(2, HW)              # DeepSpeed's order: the all-gather never hides
+    assert ds == {"forward": 0.0, "backward": 2.5e4, "exposed_bytes_per_param": 2.0}
+    assert cost.tokens_to_hide(1, HW, gather_order="next_forward")["forward"] == 5e4
+    assert cost.tokens_to_hide(3, HW, word_bytes=4)["forward"] == 1e5
+    # the closed form agrees with step_time at the threshold (large N, no latency)
+    hw = dataclasses.replace(HW, link_latency=0.0)
+    at = cost.step_time(1e9, 10 ** 6, 3, tokens_per_rank=5e4, hw=hw)
+    assert at["exposed_comm"] == pytest.approx(0.0, abs=1e-6)
+    below = cost.step_time(1e9, 10 ** 6, 3, tokens_per_rank=4e4, hw=hw)
+    assert below["exposed_comm"] > 0.1
+    # data parallelism alone: a 4M-token critical batch, sequences of 2,048: 4e6 / 5e4 = 80 GPUs
+    assert cost.data_parallel_limit(HW, critical_batch_tokens=4e6, seq_len=2048) == pytest.approx(80)
+    assert cost.data_parallel_limit(HW, critical_batch_tokens=4e6, seq_len=10 ** 5) == pytest.approx(40)
+    assert cost.critical_batch_tokens(1.0) == pytest.approx(2e8)
+    assert cost.critical_batch_tokens(2.0) == pytest.approx(2e8 / 2 ** (1 / 0.21))
+    with pytest.raises(ValueError, match="loss=0"):
+        cost.critical_batch_tokens(0)
+    with pytest.raises(ValueError, match="stage=4"):
+        cost.tokens_to_hide(4, HW)
 
 
 def test_hybrid_state_bytes_and_step_time():

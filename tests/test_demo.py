@@ -2,6 +2,7 @@
 references: the final loss of one process training on the same global batches with plain torch
 AdamW, the ZeRO per-rank formulas written out here, and the ring's byte count."""
 import os
+import re
 import subprocess
 import sys
 
@@ -53,6 +54,10 @@ def test_demo_prints_one_row_per_stage_saves_figures_and_every_loss_is_one_proce
         assert abs(state - pad - formula[spec] / 1e6) < 2e-3, f"stage {spec}: {state} MB (+{pad} pad) vs formula"
         assert abs(wire - ring[spec] / 1e6) < 2e-3, f"stage {spec}: sent {wire} MB, ring {ring[spec] / 1e6:.3f}"
         assert abs(final - loss) < 2e-5, f"stage {spec}: final loss {final}, one process {loss:.6f}"
+    # the table says why stage 3's wire is below ZeRO's 3Ψ: the root unit is gathered once
+    note = next(line for line in proc.stdout.splitlines() if line.startswith("stage 3: the theory is ZeRO's 3Ψ"))
+    said = float(re.search(r"([0-9.]+) MB with the root gathered once", note).group(1))
+    assert abs(said - ring["3"] / 1e6) < 2e-3 and f"{psi - in_blocks:,} elements" in note, note
     assert sorted(p.name for p in out.iterdir()) == ["comm.png", "memory.png", "timeline.png"]
 
 

@@ -118,6 +118,7 @@ def test_units_the_user_names_may_not_share_a_weight(clusters):
 
 def test_initialize_dispatches_through_a_static_table():
     """Every (stage, offload) has its class, and nothing else does (no import by string)."""
+    from zerolab.infinity import Zero1DiskEngine, Zero2DiskEngine, Zero3DiskEngine
     from zerolab.offload import Zero1OffloadEngine, Zero2OffloadEngine, Zero3OffloadEngine
     from zerolab.stages import ENGINES
     from zerolab.zero0 import DataParallelEngine
@@ -128,7 +129,8 @@ def test_initialize_dispatches_through_a_static_table():
     assert issubclass(HybridEngine, Zero3Engine)    # stage 3 with mesh/hpz/quantize options (lesson 12)
     assert ENGINES == {(0, None): DataParallelEngine, (1, None): Zero1Engine, (2, None): Zero2Engine,
                        (3, None): HybridEngine, (1, "optimizer"): Zero1OffloadEngine,
-                       (2, "optimizer"): Zero2OffloadEngine, (3, "optimizer"): Zero3OffloadEngine}
+                       (2, "optimizer"): Zero2OffloadEngine, (3, "optimizer"): Zero3OffloadEngine,
+                       (1, "disk"): Zero1DiskEngine, (2, "disk"): Zero2DiskEngine, (3, "disk"): Zero3DiskEngine}
     for (stage, offload), cls in ENGINES.items():
         assert cls.stage == stage and cls.offloaded == (offload is not None)
 

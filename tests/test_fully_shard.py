@@ -399,3 +399,159 @@ def test_clear_errors(clusters):
     with pytest.raises(ValueError, match="process group"):
         import zerolab
         zerolab.fully_shard(_build("mlp"))
+
+
+# -- issue 33: the two rules of fully_shard, enforced ---------------------------------------------------
+def optimizer_built_before(kind):
+    """The optimizer built on the plain model, THEN fully_shard: what step() and zero_grad() do.
+    FSDP2 alongside: the same order, to show what the docstring says of it."""
+    import zerolab
+    model = _build("gpt")
+    old = list(model.parameters())
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        opt = _opt("adamw", model.parameters())
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fs = fully_shard(model, mesh=mesh)
+        for step in range(2):
+            fs(*_data("gpt", model, step, dist.get_rank())).backward()
+            opt.step()                                 # no error: the old parameters have no .grad
+        after = {n: p.full_tensor() for n, p in model.named_parameters()}
+        return all(torch.equal(before[n], after[n]) for n in before)   # True: it trained nothing
+    opt = _opt(kind, model.parameters())
+    fs = zerolab.fully_shard(model)
+    fs(*_data("gpt", model, 0, dist.get_rank())).backward()
+    out = {"old emptied": all(p.numel() == 0 for p in old if p.requires_grad)}
+    for what, call in (("step", opt.step), ("zero_grad", opt.zero_grad)):
+        try:
+            call()
+            out[what] = "no error"
+        except RuntimeError as exc:
+            out[what] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_an_optimizer_built_before_fully_shard_raises_naming_the_fix(clusters, kind):
+    for got in clusters(2).run(optimizer_built_before, kind):
+        assert got["old emptied"]                      # the old parameters' memory is released
+        for what in ("step", "zero_grad"):
+            assert "was replaced by this rank's shard" in got[what], (what, got[what])
+            assert "build it after" in got[what] and "fully_shard(model)" in got[what], (what, got[what])
+
+
+def test_fsdp2_silently_trains_nothing_with_an_optimizer_built_before(clusters):
+    """The claim of fully_sharded's docstring about FSDP2 (the trap zerolab refuses)."""
+    assert clusters(2).run(optimizer_built_before, "fsdp2") == [True, True]
+
+
+class TiedByHand(nn.Module):
+    """GPT-style: the head reuses the embedding's weight in the model's own forward (F.linear), not
+    as a tied module parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.body = nn.Embedding(11, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.body(self.emb(x)))
+        return nn.functional.cross_entropy(nn.functional.linear(h, self.emb.weight).view(-1, 11), y.view(-1))
+
+
+def _tied_batch(rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(0, 11, (4, 5), generator=g), torch.randint(0, 11, (4, 5), generator=g)
+
+
+def whole_uses():
+    import zerolab
+    out = {}
+
+    def attempt(name, fn):
+        try:
+            result = fn()
+            out[name] = f"no error: {tuple(result.shape)}"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    model = _build("mlp")
+    fs = zerolab.fully_shard(model)
+    h = torch.randn(8, model.out.weight.shape[1], dtype=torch.float64)
+    attempt("F.linear", lambda: nn.functional.linear(h, model.out.weight, model.out.bias))
+    attempt("@ .T", lambda: h @ model.out.weight.T)
+    attempt("x * w", lambda: h * model.out.weight)
+    torch.manual_seed(0)
+    tied = TiedByHand().double()
+    ft = zerolab.fully_shard(tied, units=[tied.emb, tied.body, tied])       # emb: a unit of its own
+    attempt("tie in forward", lambda: ft(*_tied_batch(dist.get_rank())))
+    torch.manual_seed(0)
+    tied = TiedByHand().double()
+    ft = zerolab.fully_shard(tied, units=[tied.body, tied])                 # the fix: emb in the root
+    out["fixed loss"] = ft(*_tied_batch(dist.get_rank())).item()
+    # what optimizers, clipping and checks do with a shard still works
+    p = model.out.weight
+    p.grad = torch.ones_like(p)
+    torch.optim.SGD(fs.parameters(), lr=0.5, momentum=0.9).step()
+    out["elementwise"] = bool(torch.equal(p, p.detach().clone())) and p.add(1).shape == p.shape
+    return out
+
+
+def test_a_sharded_parameter_refuses_a_whole_use_outside_its_unit(clusters):
+    torch.manual_seed(0)
+    plain = TiedByHand().double()
+    for rank, got in enumerate(clusters(2).run(whole_uses)):
+        for case in ("F.linear", "@ .T", "x * w"):
+            assert f"parameter 'out.weight' of unit 'out' was used as a whole weight" in got[case], (case, got[case])
+            assert f"only rank {rank}'s shard" in got[case] and "Fixes:" in got[case], (case, got[case])
+        assert "parameter 'emb.weight' of unit 'emb' was used as a whole weight (linear())" in got["tie in forward"], \
+            got["tie in forward"]
+        assert got["fixed loss"] == pytest.approx(plain(*_tied_batch(rank)).item(), rel=1e-12)
+        assert got["elementwise"]
+
+
+def torch_clip_on_shards():
+    import zerolab
+    model = _build("mlp")
+    fs = zerolab.fully_shard(model)
+    fs(*_data("mlp", model, 0, dist.get_rank())).backward()
+    try:
+        return torch.nn.utils.clip_grad_norm_(fs.parameters(), 1e-3).item()
+    except RuntimeError as exc:
+        return str(exc)
+
+
+def test_torchs_clip_grad_norm_on_shards_is_refused(clusters):
+    """The issue-33 probe: on shards torch's norm is each rank's own (0.58 and 0.49 here), so the
+    ranks clipped differently, silently. zerolab.clip_grad_norm_(model, ...) is the right call."""
+    for got in clusters(2).run(torch_clip_on_shards):
+        assert isinstance(got, str) and "zerolab.clip_grad_norm_(model, max_norm)" in got, got
+
+
+def test_units_and_an_already_sharded_model_are_refused_clearly(clusters):
+    def run():
+        import zerolab
+        out = []
+        m = _build("mlp")
+        for units, fragment in ((["inp"], "units[0] is the string 'inp' (a name: pass the module itself"),
+                                ([m.inp, m.inp.weight], "units[1] is parameter 'inp.weight' of shape"),
+                                ([m.inp, _build("mlp").mid], "units[1] is a Linear that is not part of this model"),
+                                ([m, 3], "units[1] is a int")):
+            try:
+                zerolab.fully_shard(m, units=units)
+                out.append(f"accepted {units}")
+            except ValueError as exc:
+                if fragment not in str(exc) or "units must be submodules of the model" not in str(exc):
+                    out.append(str(exc))
+        fs = zerolab.fully_shard(_build("mlp"))
+        for again in (fs, fs.module):
+            try:
+                zerolab.fully_shard(again)
+                out.append("sharded twice")
+            except ValueError as exc:
+                if "already sharded by zerolab.fully_shard" not in str(exc):
+                    out.append(str(exc))
+        return out
+    assert clusters(2).run(run) == [[], []]

@@ -62,7 +62,7 @@ def bidirectional_all_reduce(tensor, group=None):
 
 def reduce_bytes(numel, dst, group=None):
     if dist.get_rank() == 0:
-        os.kill(os.getppid(), signal.SIGKILL)    # kills the grading process itself
+        os.kill(os.getppid(), signal.SIGKILL)    # tries to kill the grading process itself
     time.sleep(30)
 '''
 
@@ -91,7 +91,7 @@ def test_csv_over_folders_and_zips_scores_each_student(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     rows = list(csv.reader(out.open()))
     assert rows == [["student", "ex00", "total", "notes"], ["alice", str(MAX_00), str(MAX_00), ""],
-                    ["bob", str(HALF_CORRECT), str(HALF_CORRECT), ""]]
+                    ["bob", str(HALF_CORRECT), str(HALF_CORRECT), ""]], r.stdout + r.stderr
 
 
 def test_hostile_submission_scores_zero_in_bounded_time_and_results_json_is_valid(tmp_path):
@@ -107,7 +107,10 @@ def test_hostile_submission_scores_zero_in_bounded_time_and_results_json_is_vali
     assert "did not finish within 5 s" in by_name["test_bidirectional_all_reduce_values[2]"]
     assert "rank 1 died (exit code 1)" in by_name["test_bidirectional_all_reduce_values[4]"]
     assert "rank 1 died (exit code 1)" in by_name["test_both_directions_neighbours_only"]
-    assert "crashed the grading process" in by_name["test_reduce_bytes_measured"]
+    # The sandbox's ranks run as a user of their own in their own PID namespace: their parent is the
+    # submission's own keeper process, the grader is out of reach (it graded on, and wrote the file).
+    out = by_name["test_reduce_bytes_measured"]
+    assert ("PermissionError" in out or "rank 0 died" in out) and "crashed the grading process" not in out, out
 
 
 def test_results_json_is_written_even_when_grading_cannot_start(tmp_path):

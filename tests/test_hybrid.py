@@ -265,6 +265,11 @@ REFUSED = [
     (dict(stage=3, mesh=(4, 2)), ["mesh=(4, 2)", "8 ranks"]),
     (dict(stage=3, quantize_gradients="int2"), ["quantize_gradients"]),
     (dict(stage=3, quantize_block=0), ["quantize_block"]),
+    # issue 33: a valid int far beyond any shard (was a 4 GB buffer per call and a RankTimeout)
+    (dict(stage=3, quantize_weights=True, quantize_block=10**9), ["quantize_block=1000000000", "largest shard",
+                                                                  "[1, "]),
+    (dict(stage=3, mesh=MESH, hpz=True, quantize_gradients="int4", quantize_block=10**9),
+     ["quantize_block=1000000000", "largest shard"]),
     (dict(stage=3, mesh=MESH, hpz="yes"), ["hpz"]),
     (dict(stage=2, mesh=MESH), ["mesh"]),
     (dict(stage=1, quantize_weights=True), ["quantize_weights"]),

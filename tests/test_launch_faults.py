@@ -6,6 +6,7 @@ One 2-rank cluster serves the module (spawning ranks costs seconds); the tests t
 import math
 import operator
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,3 +202,123 @@ def test_processes_started_by_rank_code_end_with_a_clean_close():
     # two threads reading those pipes stayed blocked.
     assert _wait_dead([pid, child], 3) == []
     assert set(threading.enumerate()) <= threads
+
+
+# -- issue 33: only the rank answers, unsendable values, closed output, detached descendants ----------
+def forks_then_returns(child_raises):
+    # The forked child shares the rank's control socket: its reply would be read as the rank's.
+    pid = os.fork()
+    if pid == 0 and child_raises:
+        raise ValueError("raised by the forked child")
+    return ("child" if pid == 0 else "rank"), os.getpid()
+
+
+def test_a_forked_child_returning_into_the_worker_never_answers(cluster):
+    pids = cluster.run(getpid)
+    for k in range(6):
+        got = cluster.run(forks_then_returns, k % 2 == 1)
+        assert got == [("rank", p) for p in pids], f"run {k}: {got} (the ranks are {pids})"
+    assert cluster.run(getpid) == pids  # still the ranks themselves, in step
+
+
+def returns_a_lock():
+    return threading.Lock()
+
+
+def returns_a_generator_inside_a_dict():
+    return {"loss": 1.0, "batches": (i for i in range(3))}
+
+
+def test_a_return_value_that_cannot_be_sent_names_it_and_what_to_return(cluster):
+    pids = cluster.run(getpid)
+    for fn, where, kind in ((returns_a_lock, "the return value is", "_thread.lock"),
+                            (returns_a_generator_inside_a_dict, "the return value['batches'] is", "generator")):
+        with pytest.raises(RankError) as info:
+            cluster.run(fn)
+        message = str(info.value).split("\n")[0]
+        assert f"could not send the return value back: {where} a {kind}" in message, message
+        assert "Return plain data" in message and "zerolab.rank_state()" in message, message
+        assert info.value.ranks == [0, 1]
+    assert cluster.run(getpid) == pids  # every rank replied: the ranks stay
+
+
+def closes_fd(fd):
+    os.close(fd)
+    return "done"
+
+
+def closes_sys_stdout():
+    sys.stdout.close()  # fd 1 stays open: the launcher needs only the file descriptor
+    return "done"
+
+
+def test_a_rank_that_closes_its_stdout_or_stderr_is_reported_as_stopped_and_why():
+    with Cluster(2, timeout=20) as c:
+        for fd in (1, 2):
+            t0 = time.monotonic()
+            with pytest.raises(RankError) as info:
+                c.run(closes_fd, fd)
+            message = str(info.value)
+            assert "rank 0 stopped: its code closed the rank's stdout or stderr" in message, message
+            assert "exit code None" not in message and "did not finish" not in message, message
+            assert time.monotonic() - t0 < 10  # not a timeout
+            assert c.run(lambda: dist.get_world_size()) == [2, 2]  # fresh ranks on the next run
+        assert c.run(closes_sys_stdout) == ["done", "done"]  # sys.stdout.close() alone: the right result
+        assert c.run(lambda: dist.get_world_size()) == [2, 2]
+
+
+def starts_detached_processes():
+    """A child in a new session (Popen(start_new_session=True)) and a grandchild detached by a
+    double fork + setsid, whose parent exits at once. Returns their pids and session ids."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    popen = subprocess.Popen(sleeper, start_new_session=True)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # only os calls and exec after a fork in a threaded process
+        os.setsid()
+        if os.fork() == 0:
+            os.write(write_end, str(os.getpid()).encode())
+            os.execv(sys.executable, sleeper)
+        os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    grandchild = int(os.read(read_end, 32))
+    os.close(read_end)
+    return [popen.pid, grandchild], [os.getsid(popen.pid), os.getsid(grandchild)], os.getsid(0)
+
+
+def test_detached_descendants_end_with_a_clean_close():
+    c = Cluster(2, timeout=20)
+    try:
+        results = c.run(starts_detached_processes)
+        detached = [p for pids, _, _ in results for p in pids]
+        for _, sessions, own in results:
+            assert own not in sessions  # really left the rank's session (and process group)
+        assert all(_alive(p) for p in detached)
+    finally:
+        c.close()
+    assert _wait_dead(detached, 5) == [], "detached processes survived Cluster.close()"
+
+
+def starts_detached_processes_then_dies(how, folder):
+    pids, _, _ = starts_detached_processes()
+    with open(os.path.join(folder, f"rank{dist.get_rank()}"), "w") as f:
+        f.write(" ".join(map(str, pids)))
+    if how == "exit":
+        os._exit(7)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_detached_descendants_end_with_a_failed_run(tmp_path):
+    with Cluster(2, timeout=3) as c:
+        detached = [p for pids, _, _ in c.run(starts_detached_processes) for p in pids]
+        with pytest.raises(RankError):  # a timeout: the ranks are stopped
+            c.run(time.sleep, 60)
+        assert _wait_dead(detached, 5) == [], "detached processes survived a failed run"
+        for how, said in (("exit", "died (exit code 7)"), ("kill", "died (SIGKILL)")):
+            # the rank itself dies at once: nothing of it is left to stop what it detached
+            with pytest.raises(RankError, match=re.escape(f"rank 0 {said}")):
+                c.run(starts_detached_processes_then_dies, how, str(tmp_path))
+            detached = [int(p) for r in range(2) for p in (tmp_path / f"rank{r}").read_text().split()]
+            assert len(detached) == 4 and _wait_dead(detached, 5) == [], f"detached processes outlived a rank ({how})"
+        assert c.run(lambda: dist.get_world_size()) == [2, 2]

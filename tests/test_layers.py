@@ -10,15 +10,17 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "zerolab"
 
 # Bottom to top, as in README.md's table of modules.
 LAYERS = [
-    ("ranks", {"launch", "_protocol", "_worker"}),
+    ("ranks", {"launch", "_protocol", "_worker", "_plain"}),
     ("collectives", {"comm", "ring", "mesh", "quantize"}),
     ("data structures", {"flat", "shard_optim", "memory", "activations", "data_parallel", "mixed_precision",
-                         "meta_init", "units", "models"}),
+                         "meta_init", "units", "models", "aio", "chunked", "swap", "tiling", "prefetch"}),
+    ("model parallelism", {"tensor_parallel", "pipeline"}),
     ("machinery", {"engine", "checkpoint"}),
     ("stages", {"zero0", "zero1", "zero2", "zero3", "hybrid", "fully_sharded"}),
-    ("offload", {"offload"}),
+    ("offload", {"offload", "infinity"}),
     ("entry point", {"stages"}),
-    ("tools", {"cost", "calibrate", "demo", "calculator", "plots", "timeline", "train", "convergence"}),
+    ("tools", {"cost", "calibrate", "demo", "calculator", "plots", "timeline", "train", "convergence",
+               "cost_parallel", "tiers", "bandwidth_centric"}),
     ("grading", {"grade"}),
 ]
 LEVEL = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}

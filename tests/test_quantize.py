@@ -57,6 +57,18 @@ def test_zero_blocks_and_bad_arguments():
             Q.quantize(x, block=bad)
 
 
+def test_a_block_longer_than_the_tensor_is_one_block_without_its_buffer():
+    """issue 33: quantize_block=10**9 padded every call to a block-sized buffer (4 GB); a block
+    longer than the tensor is one block over the whole tensor (the same scale), nothing more."""
+    x = _data(3001)
+    for huge in (10**9, 2**62):                               # 2**62 elements could never be allocated
+        qt = Q.quantize(x, bits=8, block=huge)
+        one = Q.quantize(x, bits=8, block=3001)
+        assert torch.equal(qt.q, one.q) and torch.equal(qt.scales, one.scales) and qt.scales.numel() == 1
+        assert torch.equal(Q.dequantize(qt, block=huge), Q.dequantize(one, block=3001))
+        assert Q.wire_bytes(3001, bits=8, block=huge) == 3001 + 4
+
+
 def test_one_global_scale_is_worse_than_blocks():
     x = _data(8192)                                           # magnitudes over four decades
     blocks = (Q.roundtrip(x, bits=8, block=256) - x).norm() / x.norm()

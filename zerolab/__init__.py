@@ -10,6 +10,8 @@ The public API, by lesson:
         zerolab.activations
     11  fully_shard (ZeRO-3 in your own loop), clip_grad_norm_ (for it), LossScaler;
         initialize(..., loss_scale=, reduce_dtype=), engine.clip_grad_norm_
+    13  initialize(..., offload='disk', offload_path=...) (ZeRO-Infinity); zerolab.tiers,
+        zerolab.bandwidth_centric, zerolab.tiling, zerolab.prefetch
 """
 from zerolab.launch import (Cluster, RankError, RankTimeout, init_from_env, launch, rank_device,
                             rank_state)

@@ -14,8 +14,11 @@ gives up on a run only by stopping every rank, so the ranks it talks to are alwa
 
 Nothing is left behind. Each worker leads its own session and process group, and :meth:`Ranks.stop`
 ends every whole group with SIGKILL on every path, clean or not, so processes started by rank code
-die with their rank (and release its output pipes). A watchdog process does the same, and removes
-the rendezvous folder, if the parent dies without stopping them (SIGKILL, a kernel restart).
+die with their rank (and release its output pipes). Before that it ends each live worker's
+descendants that left the group (a new session, a double fork: the worker is their subreaper, see
+zerolab/_worker.py) while the worker still lives to hold them; a worker whose rank ended, even
+killed, ends them itself. A watchdog process does the same, and removes the rendezvous folder, if
+the parent dies without stopping them (SIGKILL, a kernel restart).
 """
 import os
 import shutil
@@ -30,6 +33,9 @@ from multiprocessing.connection import Connection, wait
 STARTUP_TIMEOUT = 180.0  # importing torch in 4 processes on 2 busy cores can take a while
 GRACE = 2.0  # after one rank fails, how long the others get to finish on their own
 _END = "\x1ezerolab-end:"  # the worker's end-of-run marker on stdout/stderr (see _worker._marker)
+# A worker's exit status when the rank's code closed its stdout or stderr (zerolab/_worker.py exits
+# with it; zerolab.launch names it). Outside the codes Python and the shells use (1, 2, 126-128+n).
+OUTPUT_CLOSED = 86
 
 
 class StartupFailure(Exception):
@@ -38,6 +44,10 @@ class StartupFailure(Exception):
     def __init__(self, message, ranks, timed_out):
         super().__init__(message)
         self.ranks, self.timed_out = ranks, timed_out
+
+
+class _Garbled(Exception):
+    """A plain-mode worker sent something that is not a well-formed reply."""
 
 
 class _Rank:
@@ -87,8 +97,10 @@ class Ranks:
     what was started is stopped and :class:`StartupFailure` (or the interrupt) is raised.
     """
 
-    def __init__(self, world_size, setup, env, store_dir):
+    def __init__(self, world_size, setup, env, store_dir, prefix=()):
         self.store_dir = store_dir
+        # Plain mode: each message from a worker is bytes read without unpickling (zerolab/_plain.py)
+        self.plain = bool(setup.get("plain"))
         self.owner = os.getpid()  # a forked copy of the parent must never stop our ranks
         self.ranks = []
         self._watchdog = self._watch = None
@@ -98,7 +110,7 @@ class Ranks:
                 parent_end, child_end = socket.socketpair()
                 env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank),
                            ZEROLAB_CONTROL_FD=str(child_end.fileno()))
-                proc = subprocess.Popen([sys.executable, "-m", "zerolab._worker"], env=env,
+                proc = subprocess.Popen([*prefix, sys.executable, "-m", "zerolab._worker"], env=env,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, pass_fds=[child_end.fileno()],
                                         start_new_session=True)  # its own group: killpg ends it all
@@ -141,12 +153,32 @@ class Ranks:
             for conn in ready:
                 r = pending.pop(conn)
                 try:
-                    conn.recv()
-                except (EOFError, OSError):
+                    self._recv(conn)
+                except (EOFError, OSError, _Garbled):
                     r.proc.wait()
                     out = r.take_output(0, 2)
                     raise StartupFailure(f"rank {r.rank} failed to start (exit code {r.proc.returncode}):\n"
                                          + "\n".join(out["stderr"][-30:]), [r.rank], timed_out=False)
+
+    def _recv(self, conn):
+        """One message from a worker. In plain mode it is decoded without unpickling, and a message
+        that is not a well-formed reply ends the conversation as a dead rank would."""
+        if not self.plain:
+            return conn.recv()
+        from zerolab import _plain
+        try:
+            message = _plain.loads(conn.recv_bytes(_plain.MAX_BYTES))
+        except (EOFError, OSError):
+            raise
+        except Exception as exc:  # not plain data, too long, truncated: this rank is not trusted
+            raise _Garbled(f"{type(exc).__name__} on reading it") from None
+        if not (isinstance(message, tuple) and message and message[0] in ("ready", "ok", "err")
+                and (message[0] == "ready" or (len(message) == 3 and isinstance(message[1], int)))):
+            raise _Garbled(f"not a reply: {type(message).__name__}")
+        if message[0] == "err" and not (isinstance(message[2], dict) and all(
+                isinstance(message[2].get(k), str) for k in ("type", "message", "traceback"))):
+            raise _Garbled("an error reply without its type, message and traceback")
+        return message
 
     @property
     def pids(self):
@@ -161,7 +193,8 @@ class Ranks:
         """Wait for every rank's reply to run ``run_id``.
 
         Returns (replies, died, stuck): replies maps rank -> (kind, body) with kind "ok" (body: the
-        pickled result) or "err" (body: the remote error); died maps rank -> exit code; stuck
+        pickled result, or in plain mode the result itself) or "err" (body: the remote error); died
+        maps rank -> exit code (or a sentence, for a rank stopped for breaking the protocol); stuck
         lists the ranks still running when the deadline passed.
         """
         pending = {r.conn: r for r in self.ranks}
@@ -174,7 +207,15 @@ class Ranks:
             for conn in ready:
                 r = pending[conn]
                 try:
-                    kind, rid, body = conn.recv()
+                    kind, rid, body = self._recv(conn)
+                except _Garbled as exc:  # a plain-mode rank broke the protocol: stop it, say why
+                    del pending[conn]
+                    try:
+                        os.killpg(r.proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                    died[r.rank] = f"stopped: it sent a reply that is not plain data, {exc}"
+                    continue
                 except (EOFError, OSError):
                     del pending[conn]
                     try:
@@ -201,9 +242,10 @@ class Ranks:
         """Stop every rank and everything its code started; remove the rendezvous folder.
 
         ``graceful`` first asks each worker to leave its process group and exit (5 s at most).
-        Then, whatever happened, each rank's whole process group gets SIGKILL: a worker that
-        exited may have left children holding its output pipes. Idempotent; safe to call again
-        after an interrupted call.
+        Then each worker still running gets its whole tree killed, wherever its members moved (a
+        session of their own), and, whatever happened, each rank's whole process group gets
+        SIGKILL: a worker that exited may have left children holding its output pipes.
+        Idempotent; safe to call again after an interrupted call.
         """
         if os.getpid() != self.owner:
             return
@@ -219,6 +261,12 @@ class Ranks:
                     r.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     pass
+        for r in self.ranks:
+            # A worker still running: first its whole tree, while it lives to hold it (it is the
+            # subreaper of what its rank detached: a new session, a double fork + setsid, which
+            # killpg would miss). A worker that exited ended its tree itself (_worker._keep).
+            if r.proc.poll() is None:
+                kill_descendants(r.proc.pid)
         for r in self.ranks:
             try:
                 # A group id stays reserved while any member lives, so this never hits a stranger.
@@ -248,3 +296,38 @@ class Ranks:
 
 def who(ranks):
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def kill_descendants(pid, rounds=20):
+    """SIGKILL every descendant of process ``pid`` (children, theirs, ...; not ``pid`` itself),
+    whatever session or process group they moved to. Repeated until none is left (a process
+    killed mid-fork leaves children, which a subreaper ``pid`` inherits), at most ``rounds``
+    times. Called while ``pid`` still lives: once it is gone its orphans belong to init."""
+    import psutil
+    try:
+        root = psutil.Process(pid)
+    except psutil.Error:
+        return
+    for _ in range(rounds):
+        try:
+            procs = [p for p in root.children(recursive=True) if _running(p)]
+        except psutil.Error:
+            return
+        if not procs:
+            return
+        for p in procs:
+            try:
+                p.kill()                 # psutil checks the pid still names that process
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + 2  # dead (a zombie counts) before their children are looked up
+        while any(_running(p) for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def _running(proc):
+    import psutil
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -12,17 +12,34 @@ the id of the run it answers (see zerolab/_protocol.py).
 
 Each worker leads its own session and process group, so "stop rank r" is one ``killpg`` that
 also ends whatever the rank's code started (a ``subprocess.Popen``, a DataLoader's workers).
-The watchdog does that for every rank, and removes the rendezvous folder, if the parent dies.
+What left the group (``Popen(..., start_new_session=True)``, a double fork with ``setsid``) is
+still a descendant: the worker is a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), so a
+detached grandchild whose parent exits is re-parented to the worker instead of init, and
+:func:`zerolab._protocol.kill_descendants` ends the worker's whole tree before the worker itself
+(the parent's ``Ranks.stop``, the worker leaving, the watchdog). So that this holds even when the
+rank dies at once (SIGKILL, a crash, ``os._exit``), the process the parent starts is a *keeper*:
+it forks at start-up, the child runs the rank, and the keeper, which runs nothing else, ends what
+is left of the rank's tree when the rank ends, then exits as the rank did (:func:`_keep`). The
+watchdog does that for every rank, and removes the rendezvous folder, if the parent dies.
+
+Only the rank's own process answers: a process forked by the rank's code that returns into the
+loop exits there (:func:`_call`). A rank whose code closes its stdout or stderr can no longer
+mark the end of its output: it exits with :data:`OUTPUT_CLOSED`, which the caller reports.
 """
 import datetime
 import os
 import select
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
 import traceback
+
+from zerolab._protocol import OUTPUT_CLOSED, kill_descendants
+
+PR_SET_CHILD_SUBREAPER = 36       # linux/prctl.h
 
 
 def _marker(run_id):
@@ -32,17 +49,107 @@ def _marker(run_id):
 def _end_of_output(run_id):
     # Everything the run printed through Python is flushed first; output written straight to the
     # file descriptors by C++ code (gloo warnings) is already in the pipe, so it precedes the marker.
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None and not stream.closed:   # sys.stdout.close() leaves fd 1 open: fine
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
     line = (_marker(run_id) + "\n").encode()
-    os.write(1, line)
-    os.write(2, line)
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):   # closed, then reused by a file or socket
+                _output_closed(fd)
+            os.write(fd, line)
+        except OSError:
+            _output_closed(fd)
+
+
+def _output_closed(fd):
+    """The rank's code closed fd 1 or 2 (``os.close(1)``): the parent can no longer read where a
+    run's output ends, so this rank cannot go on. Exit with OUTPUT_CLOSED (the caller names it),
+    ending what the rank started first; no reply (the caller reports the rank as stopped)."""
+    try:
+        os.write(2, f"[zerolab] the rank's code closed its {('stdout', 'stderr')[fd - 1]} (fd {fd}): "
+                    f"stopping this rank\n".encode())
+    except OSError:
+        pass
+    kill_descendants(os.getpid())
+    os._exit(OUTPUT_CLOSED)
+
+
+def _become_subreaper():
+    """Linux: orphaned descendants (a detached grandchild whose parent exited) are re-parented to
+    this process instead of init, so :func:`kill_descendants` still finds them. Elsewhere a no-op."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _call(fn, args, kwargs, rank_pid):
+    """``fn(*args, **kwargs)`` on the rank. A process forked inside ``fn`` (``os.fork()``) that
+    returns or raises into here is NOT the rank: it shares the rank's control socket, and its
+    reply would be read as the rank's answer (the rank's own would then be dropped as stale). It
+    exits on the spot, without answering; only the rank's own process replies."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if os.getpid() != rank_pid:
+            _leave_forked_child()
+
+
+def _leave_forked_child():
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, f"[zerolab] process {os.getpid()}, forked by rank {os.environ.get('RANK')}'s code, returned "
+                    f"from the run's function: it exits without answering (only the rank answers). End a "
+                    f"forked child with os._exit(status)\n".encode())
+    except (OSError, ValueError):
+        pass
+    os._exit(0)
+
+
+def _dump_result(result):
+    """The return value, pickled for the caller; or a TypeError that names the part that cannot
+    travel (its place in the value and its type) and what to return instead."""
+    import cloudpickle
+    try:
+        return cloudpickle.dumps(result)
+    except Exception as exc:  # noqa: BLE001 - pickling raises TypeError, PicklingError, AttributeError...
+        where, part = _unpicklable_part(result, "the return value")
+        kind = type(part).__qualname__ if type(part).__module__ == "builtins" else \
+            f"{type(part).__module__}.{type(part).__qualname__}"
+        raise TypeError(
+            f"could not send the return value back: {where} is a {kind}, which cannot be pickled ({exc}). "
+            f"Return plain data: numbers, strings, tensors, and lists, tuples and dicts of them (e.g. "
+            f"list(generator), tensor.tolist()); keep live objects (locks, generators, open files, "
+            f"modules, optimizers) on the rank in zerolab.rank_state()") from None
+
+
+def _unpicklable_part(value, where, depth=4):
+    """(where, part): the innermost element of ``value`` that cannot be pickled, found through
+    lists, tuples, sets and dicts (``where`` names it, e.g. "the return value['lock']")."""
+    import cloudpickle
+    if depth and isinstance(value, (list, tuple, set, frozenset, dict)):
+        items = (value.items() if isinstance(value, dict) else enumerate(value))
+        for key, item in items:
+            label = f"{where}[{key!r}]" if not isinstance(value, (set, frozenset)) else f"an element of {where}"
+            for part, name in ((item, label),) + (((key, f"a key of {where}"),) if isinstance(value, dict) else ()):
+                try:
+                    cloudpickle.dumps(part)
+                except Exception:  # noqa: BLE001
+                    return _unpicklable_part(part, name, depth - 1)
+    return where, value
 
 
 def _end_everything(store_dir):
     """The parent is gone: remove the rendezvous folder, then SIGKILL this worker's whole process
     group (the worker and everything its rank code started)."""
     shutil.rmtree(store_dir, ignore_errors=True)
+    kill_descendants(os.getpid())     # those that left our group too (we are their subreaper)
     if os.getpgid(0) == os.getpid():  # we lead our group (start_new_session): end all of it
         os.killpg(0, signal.SIGKILL)
     os._exit(3)
@@ -55,6 +162,41 @@ def _exit_when_orphaned(parent_pid, store_dir):
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     _end_everything(store_dir)
+
+
+def _keep(rank_pid):
+    """The process the parent started (the one it waits for and stops) keeps the rank, which runs
+    in its forked child, and outlives it by a moment: when the rank ends in any way (an exit, a
+    crash, SIGKILL, os._exit), whatever the rank's code started and detached (re-parented here:
+    this process is a child subreaper) is killed, then this process exits as the rank did (same
+    exit code, same signal), so the parent sees the rank's own end. It holds no control socket
+    (the parent sees EOF when the rank dies) and runs nothing else; it reaps every orphan."""
+    os.close(int(os.environ["ZEROLAB_CONTROL_FD"]))
+    threading.Thread(target=_exit_when_orphaned, daemon=True,
+                     args=(int(os.environ["ZEROLAB_PARENT_PID"]), os.environ["ZEROLAB_STORE_DIR"])).start()
+    status = None
+    while status is None:
+        try:
+            pid, st = os.waitpid(-1, 0)               # the rank, or an orphan re-parented here
+        except ChildProcessError:
+            break
+        if pid == rank_pid:
+            status = st
+    kill_descendants(os.getpid())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:            # reap them (they are zombies here now)
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
+    if status is not None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):   # those two cannot be caught anyway
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)                  # end as the rank ended (SIGKILL, SIGSEGV...)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status) if status is not None else 1)
 
 
 def watchdog(parent_pid, store_dir):
@@ -81,6 +223,7 @@ def watchdog(parent_pid, store_dir):
             elif word == "exit":
                 return
     for pgid in pgids:
+        kill_descendants(pgid)        # pgid == the worker's pid: its whole tree, detached parts too
         try:
             os.killpg(pgid, signal.SIGKILL)
         except OSError:
@@ -91,14 +234,23 @@ def watchdog(parent_pid, store_dir):
 def main():
     from multiprocessing.connection import Connection
 
+    _become_subreaper()               # first: before the rank's code can start anything
+    keeper, child = os.getpid(), os.fork()
+    if child:                         # this process keeps; the child runs the rank (see _keep)
+        _keep(child)
+    _become_subreaper()               # not inherited across fork
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     conn = Connection(int(os.environ["ZEROLAB_CONTROL_FD"]))
+    worker_pid = os.getpid()
     threading.Thread(target=_exit_when_orphaned, daemon=True,
-                     args=(int(os.environ["ZEROLAB_PARENT_PID"]), os.environ["ZEROLAB_STORE_DIR"])).start()
+                     args=(keeper, os.environ["ZEROLAB_STORE_DIR"])).start()
 
     import cloudpickle
     setup = conn.recv()
+    # Plain mode (a Cluster with isolation, e.g. the grader's): every message back is plain data,
+    # read by the parent without unpickling (zerolab/_plain.py).
+    reply_to_parent = _plain_sender(conn) if setup.get("plain") else conn.send
     # Same import path as the parent, so functions defined in test modules, exercises/ or
     # solutions/ unpickle here by reference exactly as they resolve there.
     sys.path[:] = setup["sys_path"]
@@ -118,7 +270,7 @@ def main():
     dist.init_process_group(setup["backend"], store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=pg_timeout))
     _end_of_output(0)
-    conn.send(("ready", rank))
+    reply_to_parent(("ready", rank))
 
     while True:
         try:
@@ -138,26 +290,38 @@ def main():
                 _set_pg_timeout(datetime.timedelta(seconds=run_pg_timeout))
                 pg_timeout = run_pg_timeout
             fn, args, kwargs = cloudpickle.loads(payload)
-            result = fn(*args, **kwargs)
-            reply = ("ok", run_id, cloudpickle.dumps(result))
+            result = _call(fn, args, kwargs, worker_pid)
+            # plain mode: the result itself, checked and encoded by reply_to_parent
+            reply = ("ok", run_id, result if setup.get("plain") else _dump_result(result))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
             reply = ("err", run_id, {
                 "type": type(exc).__name__,
                 "message": str(exc),
                 "traceback": traceback.format_exc(),
-                "exception": _picklable(exc),
+                "exception": None if setup.get("plain") else _picklable(exc),
             })
         _end_of_output(run_id)
         try:
-            conn.send(reply)
+            reply_to_parent(reply)
         except Exception as exc:  # the result itself could not be pickled
-            conn.send(("err", run_id, {"type": type(exc).__name__,
-                                        "message": f"could not send the return value back: {exc}",
-                                        "traceback": traceback.format_exc(), "exception": None}))
+            reply_to_parent(("err", run_id, {"type": type(exc).__name__,
+                                              "message": f"could not send the return value back: {exc}",
+                                              "traceback": traceback.format_exc(), "exception": None}))
+    kill_descendants(os.getpid())     # leaving: what the rank started goes too (see the docstring)
     try:
         dist.destroy_process_group()
     except Exception:
         pass
+
+
+def _plain_sender(conn):
+    from zerolab import _plain
+
+    def send(message):
+        if message[0] == "ok":  # checked on its own, so that an error names the path inside it
+            message = (*message[:2], _plain.plain(message[2], "the function's return value"))
+        conn.send_bytes(_plain.dumps(message))
+    return send
 
 
 def _picklable(exc):

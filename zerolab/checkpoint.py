@@ -162,18 +162,24 @@ def save(engine, path, *, client_state=None):
     if rank == 0:
         payload.update(_replicated(engine), client_state=client_state)
     buf = io.BytesIO()
-    torch.save(payload, buf)
+    cause = None
+    try:
+        torch.save(payload, buf)
+    except Exception as exc:  # noqa: BLE001 - a lock in client_state...: every rank must learn it, not hang
+        cause = (f"client_state cannot be saved ({type(exc).__name__}: {exc}): pass plain data (numbers, strings, "
+                 f"tensors, lists and dicts of them; a scheduler's state_dict(), not the scheduler)"
+                 if rank == 0 and client_state is not None
+                 else f"its state cannot be pickled ({type(exc).__name__}: {exc})")
     data = buf.getvalue()
-    made = None
-    if rank == 0:
+    if rank == 0 and cause is None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            made = f"creating {folder}: {_why(exc)}"
+            cause = f"creating {folder}: {_why(exc)}"
     # one fresh name per save, agreed by all ranks: the previous checkpoint's files stay untouched
     tag = _broadcast_object(f"step{engine.steps:08d}-{secrets.token_hex(4)}" if rank == 0 else None, group)
     name = f"{tag}-rank{rank:05d}-of-{n:05d}.pt"
-    _agree(made or _check_destination(folder, len(data), name), folder, group, n, "nothing was written")
+    _agree(cause or _check_destination(folder, len(data), name), folder, group, n, "nothing was written")
     try:
         _atomic_write(folder / name, data)
         info = {"name": name, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}

@@ -8,17 +8,26 @@ confronted with measurements.
 Per step and per rank, for Ψ parameters on N data-parallel ranks (ZeRO, arXiv 1910.02054):
 
 * model states: :func:`zerolab.memory.model_state_bytes` (16Ψ for DP, down to 16Ψ/N for stage 3);
-* activations: Korthikanti et al. 2022 (arXiv 2205.05198), 16-bit, per layer
-  ``s·b·h·(34 + 5·a·s/h)`` bytes without recomputation, ``2·s·b·h`` with full recomputation
-  (:func:`activation_bytes`);
+* activations: Korthikanti et al. 2022 (arXiv 2205.05198), 16-bit, per layer: with a fused
+  (FlashAttention-style) kernel and no dropout, what current stacks run, ``32·s·b·h`` bytes; in the
+  paper's setting (naive attention, dropout) ``s·b·h·(34 + 5·a·s/h)``; ``2·s·b·h`` with full
+  recomputation; selective recomputation drops the attention's s² terms (:func:`activation_bytes`);
 * bytes on the wire: DP all-reduce 2Ψ (in 2-byte grads: 2·2Ψ·(N-1)/N bytes); stages 1-2 the same
   (reduce-scatter + all-gather); stage 3 1.5x (all-gather twice + reduce-scatter);
 * time of a ring collective (alpha-beta model): each of its (N-1) steps per phase costs a latency α
   plus (S/N)/B, so a phase takes (N-1)·α + (N-1)/N·S/B;
-* compute: forward 2·Ψ, backward 4·Ψ FLOPs per token (Kaplan et al. 2020), 6·Ψ in all; full
-  activation recomputation runs the forward once more inside backward: 8·Ψ (Korthikanti Sec. 5);
-* offload (ZeRO-Offload, arXiv 2101.06840): each rank moves 2Ψ/N bytes of grads down and 2Ψ/N of
-  params up over the host link, and the host updates Ψ/N parameters at its Adam throughput.
+* compute: forward 2·Ψ, backward 4·Ψ FLOPs per token (Kaplan et al. 2020), 6·Ψ in all, plus the
+  core attention's 4·L·s·h per token when given (:func:`attention_flops`); full activation
+  recomputation runs the forward once more inside backward: 8·Ψ (Korthikanti Sec. 5); selective, the
+  core attention's forward only;
+* offload (ZeRO-Offload, arXiv 2101.06840): each rank moves 2Ψ/N bytes of grads down (beside
+  backward) and 2Ψ/N of params up over the host link, and the host updates Ψ/N parameters at its
+  Adam throughput.
+
+Rules of thumb in closed form (:func:`tokens_to_hide`, :func:`data_parallel_limit`): a stage's
+communication hides once each GPU processes about F/B tokens per step (F the achieved FLOP/s, B the
+link's bytes/s, bf16), and data parallelism alone stops where N·max(sequence, F/B) tokens pass the
+critical batch size.
 
 **A step is not max(compute, comm).** Each collective runs in the phase where it can run
 (:func:`phase_collectives`), and only hides under that phase's compute (:func:`step_time`):
@@ -38,7 +47,10 @@ step       the optimizer update, offload   stages 1-2 (DeepSpeed's order, the de
 =========  ==============================  =================================================
 
 Exposed time of a phase = what cannot hide + max(0, what can hide - the phase's compute); the step
-is the sum of the phases' compute and exposed communication, plus the update and offload.
+is the sum of the phases' compute and exposed communication, plus the update and offload. What the
+model leaves out, it leaves out on purpose and says so: stage 3's per-unit launch, hook and allocator
+time (``unit_overhead``, default 0), prefetch that lands late, fragmentation, and the compute that
+communication kernels take from a GPU while they overlap it.
 """
 import dataclasses
 import json
@@ -93,22 +105,51 @@ H100_80GB = Hardware("H100 80GB + 400 Gb/s IB", 80e9, 989e12, 0.40, 50e9, 6e-6, 
 PROFILES = {"V100": V100_32GB, "A100": A100_80GB, "H100": H100_80GB}
 
 
-def activation_bytes(*, layers, hidden, seq_len, micro_batch, heads, checkpointing=False):
-    """Activation memory of a GPT-style transformer, 16-bit with dropout (Korthikanti et al. 2022,
-    Eq. 2): per layer s·b·h·(34 + 5·a·s/h) bytes (the 5as/h term is the attention scores, softmax and
-    dropout, quadratic in s). With full activation checkpointing (``checkpointing=True``) each layer
-    keeps only its 2-byte input (2·s·b·h), plus ONE layer's working set recomputed during backward.
-    Embeddings and logits are left out, as in the paper's per-layer count.
+ATTENTIONS = ("fused", "paper")
+RECOMPUTE = (None, "selective", "full")
 
-    The per-layer model is :func:`zerolab.activations.activation_bytes_per_layer`, the closed form
-    that lesson 10 checks term by term against what TinyGPT's blocks save; the planner below uses it
-    through this function."""
-    def per_layer(recompute):
+
+def _check_recompute(recompute):
+    """None / False: no recomputation; True or "full": every layer; "selective": the core attention."""
+    mode = {False: None, True: "full"}.get(recompute, recompute) if isinstance(recompute, bool) else recompute
+    if mode not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r} is not known: choose one of {list(RECOMPUTE)} (or False / True)")
+    return mode
+
+
+def activation_bytes(*, layers, hidden, seq_len, micro_batch, heads, recompute=None, attention="fused"):
+    """Activation memory of a GPT-style transformer's layers, 16-bit (Korthikanti et al. 2022, arXiv
+    2205.05198, Sec. 4.1, per layer through :func:`zerolab.activations.activation_bytes_per_layer`, the
+    closed form lesson 10 checks term by term against what TinyGPT's blocks save).
+
+    ``attention="fused"`` (the default, what current stacks run): a FlashAttention-style kernel and no
+    dropout, s·b·h·32 bytes per layer plus the kernel's fp32 logsumexp (4·a·s·b); ``"paper"``: the
+    paper's setting, naive attention with dropout, s·b·h·(34 + 5·a·s/h) (Eq. 1; at a = h/128, s = 2048
+    that is 114·s·b·h, about 3.5x the fused kernel's).
+
+    ``recompute``: None keeps every layer's activations; ``"selective"`` (Sec. 5) recomputes each core
+    attention, so its s² terms are not kept (with the fused kernel there are none: the kernel already
+    recomputes its scores in backward, and selective recomputation saves nothing more); ``"full"``
+    keeps only each layer's 2-byte input (2·s·b·h). A recomputing mode also holds, during backward,
+    ONE layer's recomputed working set on top. Embeddings and logits are left out, as in the paper's
+    per-layer count."""
+    mode = _check_recompute(recompute)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r} is not known: choose one of {list(ATTENTIONS)}")
+    fused = attention == "fused"
+
+    def per_layer(m):
         return activations.activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, dtype_bytes=2,
-                                                      recompute=recompute)
-    if checkpointing:
-        return layers * per_layer("full") + per_layer(None)
-    return layers * per_layer(None)
+                                                      recompute=m, flash=fused, dropout=not fused)
+    kept = layers * per_layer(mode)
+    return kept if mode is None else kept + per_layer(None) - per_layer(mode)
+
+
+def attention_flops(*, layers, hidden, seq_len):
+    """FLOPs per token of the core attention's forward, QK^T and AV over the sequence: 4·L·s·h
+    (Korthikanti et al. Sec. 5; the 6Ψ of :func:`compute_phases` counts only the matrix multiplies
+    with parameters). Backward costs twice the forward; selective recomputation runs it once more."""
+    return 4 * layers * seq_len * hidden
 
 
 def ring_time(op, nbytes, world_size, hw):
@@ -185,18 +226,23 @@ def update_time(num_params, world_size, stage, hw, *, offload=False):
     return (num_params if stage == 0 else num_params / world_size) / hw.device_adam_params_per_s
 
 
-def compute_phases(num_params, tokens, hw, *, recompute=False):
-    """{"forward", "backward"} seconds: 2·Ψ and 4·Ψ FLOPs per token at peak·MFU; with full
-    activation recomputation the backward runs the forward again first: 6·Ψ (8·Ψ in all, +33%)."""
+def compute_phases(num_params, tokens, hw, *, recompute=False, attention=0.0):
+    """{"forward", "backward"} seconds at peak·MFU: 2·Ψ and 4·Ψ FLOPs per token (Kaplan et al. 2020),
+    plus ``attention`` (:func:`attention_flops`, default 0: left out) in forward and twice it in
+    backward. Recomputation runs in backward what forward did not keep: ``"full"`` (or True) the whole
+    forward again, 2·Ψ + attention (8·Ψ in all, +33%); ``"selective"`` the core attention's forward
+    only (Korthikanti et al. Sec. 5: a few percent)."""
+    mode = _check_recompute(recompute)
     rate = hw.peak_flops * hw.mfu
-    return {"forward": 2 * num_params * tokens / rate,
-            "backward": (6 if recompute else 4) * num_params * tokens / rate}
+    again = {None: 0.0, "selective": attention, "full": 2 * num_params + attention}[mode]
+    return {"forward": (2 * num_params + attention) * tokens / rate,
+            "backward": (4 * num_params + 2 * attention + again) * tokens / rate}
 
 
-def compute_time(num_params, tokens, hw, *, recompute=False):
-    """Forward + backward: 6·Ψ FLOPs per token (2 forward, 4 backward) at peak·MFU; 8·Ψ with full
-    activation recomputation."""
-    return sum(compute_phases(num_params, tokens, hw, recompute=recompute).values())
+def compute_time(num_params, tokens, hw, *, recompute=False, attention=0.0):
+    """Forward + backward (:func:`compute_phases`): 6·Ψ FLOPs per token (2 forward, 4 backward) at
+    peak·MFU; 8·Ψ with full activation recomputation."""
+    return sum(compute_phases(num_params, tokens, hw, recompute=recompute, attention=attention).values())
 
 
 def offload_time(num_params, world_size, hw, *, grad_bytes=2, param_bytes=2):
@@ -238,41 +284,59 @@ def _by_phase(collectives, stage, gather_order):
 
 def step_time(num_params, world_size, stage, *, tokens_per_rank, hw, offload=False, overlap=True,
               grad_bytes=2, param_bytes=2, collectives=None, links=None, prefetch=True,
-              gather_order="after_step", recompute=False, micro_batches=1):
+              gather_order="after_step", recompute=False, micro_batches=1, attention=0.0, units=None,
+              unit_overhead=0.0):
     """Predicted seconds per step on one rank, phase by phase.
 
     Returns {"compute", "comm", "exposed_comm", "update", "offload", "forward", "backward", "step",
     "total", "phases"}: "compute" and "comm" are the work done (comm: every collective's ring time),
-    "exposed_comm" the part of it that adds to the step; "forward" / "backward" / "step" the predicted
-    duration of each phase over the whole step (all micro-batches); "phases" their breakdown
-    {phase: {"compute", "comm", "exposed"}}.
+    "exposed_comm" the part of it that adds to the step; "offload" the host's work (:func:`offload_time`);
+    "forward" / "backward" / "step" the predicted duration of each phase over the whole step (all
+    micro-batches); "phases" their breakdown {phase: {"compute", "comm", "exposed"}}.
 
     Each collective runs in its phase (:func:`phase_collectives`; the table in the module docstring).
     With ``overlap``, what can hide costs max(0, its time - the phase's compute); what cannot
     (stage 1-2's all-gather after the update; stage 3's gathers without ``prefetch``) adds in full.
-    Without ``overlap`` (CPU ranks, which share their cores) everything adds. The device's update and
-    the host's work (offload: transfers and host Adam, :func:`offload_time`) are in the step phase and
-    never hide: no delayed parameter update, and the gradient copy to the host is counted there too
-    (conservative: ZeRO-Offload overlaps it with backward).
+    Without ``overlap`` (CPU ranks, which share their cores) everything adds. The device's update is in
+    the step phase. Offload (ZeRO-Offload, arXiv 2101.06840): at stages 2-3 each bucket's gradient shard
+    goes down to the host as soon as it is reduced, so that copy can hide under backward (the paper's
+    Sec. 4.1 schedule); the parameters' way up and the host's Adam run in the step phase and never hide
+    (no delayed parameter update). At stage 1 the copy is in the step phase too.
 
     ``tokens_per_rank``: tokens per rank per optimizer step, in ``micro_batches`` equal micro-batches
     (gradient accumulation): stages 0-1 reduce gradients once, after the last micro-batch (DDP's
     ``no_sync``); stage 2 after every micro-batch (DeepSpeed: its gradients exist only as shards);
     stage 3 gathers and reduces every micro-batch; stage 1-2's parameter all-gather is once per step.
-    ``recompute``: full activation recomputation (8Ψ per token). ``collectives``: the calls of ONE
-    micro-batch to cost instead of :func:`phase_collectives`' one per phase: {phase: [(op, bytes)]}
-    (e.g. an engine's real schedule), or a flat list placed by kind; ``links``: per-op link profiles,
-    see :func:`comm_time`. The model is optimistic by one call per phase: the first gather and the
-    last reduction of a phase have no compute to hide under.
+    ``recompute``: None/False, "selective" or "full"/True (:func:`compute_phases`); ``attention``: the
+    core attention's forward FLOPs per token (:func:`attention_flops`; default 0, left out).
+
+    Stage 3 with ``units`` (the number of gathered units, e.g. one per layer): each phase's collectives
+    are cut into one call per unit (each paying its own latency), and prefetch is no longer perfect:
+    the first unit's all-gather of forward and of backward, and the last unit's reduce-scatter, have no
+    compute beside them and are exposed. ``unit_overhead``: seconds of exposed host-side work per
+    gathered unit and gather (hooks, launches, allocating and freeing the full buffer: no datasheet
+    gives it; default 0, left out). Without ``units`` the model is optimistic by those calls.
+
+    ``collectives``: the calls of ONE micro-batch to cost instead of :func:`phase_collectives`' one per
+    phase: {phase: [(op, bytes)]} (e.g. an engine's real schedule), or a flat list placed by kind;
+    ``links``: per-op link profiles, see :func:`comm_time`.
     """
     _check_gather_order(gather_order)
     if not (isinstance(micro_batches, int) and not isinstance(micro_batches, bool) and micro_batches >= 1):
         raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
+    if units is not None and not (isinstance(units, int) and not isinstance(units, bool) and units >= 1):
+        raise ValueError(f"units={units!r} must be None or an int >= 1")
+    if not unit_overhead >= 0:
+        raise ValueError(f"unit_overhead={unit_overhead!r} must be >= 0 seconds")
     m = micro_batches
-    compute = compute_phases(num_params, tokens_per_rank / m, hw, recompute=recompute)   # one micro-batch
+    compute = compute_phases(num_params, tokens_per_rank / m, hw, recompute=recompute,
+                             attention=attention)                  # one micro-batch
     if collectives is None:
         collectives = phase_collectives(num_params, world_size, stage, grad_bytes=grad_bytes,
                                         param_bytes=param_bytes, gather_order=gather_order)
+        if stage == 3 and units:                                    # one call per unit, in order
+            collectives = {phase: [(op, b / units) for _ in range(units) for op, b in calls]
+                           for phase, calls in collectives.items()}
     calls = _by_phase(collectives, stage, gather_order)
 
     def rounds(op, phase):
@@ -283,25 +347,53 @@ def step_time(num_params, world_size, stage, *, tokens_per_rank, hw, offload=Fal
             return 1                             # the updated parameters, once per step
         return m
 
-    phases = {}
+    def beside_nothing(phase):
+        """Stage 3 cut into units: indices of the calls no compute runs beside (imperfect prefetch)."""
+        if stage != 3 or not units:
+            return set()
+        ops = [op for op, *_ in calls[phase]]
+        out = {ops.index("all_gather")} if "all_gather" in ops else set()
+        if phase == "backward" and "reduce_scatter" in ops:
+            out.add(len(ops) - 1 - ops[::-1].index("reduce_scatter"))
+        return out
+
+    # offload: the host link's work (not the network's). A gradient shard goes down per reduction
+    # (stages 2-3: every micro-batch, during backward; stage 1: once, in the step), the parameter shard
+    # comes up once, and the host updates Ψ/N parameters: none of it on the network.
+    shard = num_params / world_size
+    down = grad_bytes * shard / hw.host_link_bandwidth if offload else 0.0
+    copies_in_backward = offload and stage >= 2
+    phases, host_exposed = {}, 0.0
     for phase in ("forward", "backward"):
         hidden, exposed = [0.0] * m, [0.0] * m   # per micro-batch; the one-per-step calls go in the last
-        for op, nbytes, *own in calls[phase]:
+        alone = beside_nothing(phase)
+        for j, (op, nbytes, *own) in enumerate(calls[phase]):
             t = comm_time([(op, nbytes, *own)], world_size, hw, links=links)
             for i in range(m - rounds(op, phase), m):
-                if overlap and _hides(op, phase, stage, prefetch=prefetch, gather_order=gather_order):
+                if overlap and j not in alone and _hides(op, phase, stage, prefetch=prefetch,
+                                                         gather_order=gather_order):
                     hidden[i] += t
                 else:
                     exposed[i] += t
+        gathers = sum(op == "all_gather" for op, *_ in calls[phase]) if stage == 3 else 0
+        overhead = gathers * unit_overhead                          # per micro-batch, never hidden
         phases[phase] = {"compute": m * compute[phase], "comm": sum(hidden) + sum(exposed),
                          "exposed": sum(e + max(0.0, h - compute[phase]) for h, e in zip(hidden, exposed))}
+        phases[phase]["overhead"] = m * overhead
+        if phase == "backward" and copies_in_backward:              # PCIe beside backward's compute
+            host_exposed = m * (max(0.0, down - compute[phase]) if overlap else down)
     step_comm = comm_time(calls["step"], world_size, hw, links=links)
-    phases["step"] = {"compute": 0.0, "comm": step_comm, "exposed": step_comm}
+    phases["step"] = {"compute": 0.0, "comm": step_comm, "exposed": step_comm, "overhead": 0.0}
     update = update_time(num_params, world_size, stage, hw, offload=offload)
-    host = offload_time(num_params, world_size, hw, grad_bytes=grad_bytes, param_bytes=param_bytes) \
-        if offload else 0.0
-    out = {phase: phases[phase]["compute"] + phases[phase]["exposed"] for phase in ("forward", "backward")}
-    out["step"] = step_comm + update + host
+    host = 0.0
+    if offload:
+        host = offload_time(num_params, world_size, hw, grad_bytes=grad_bytes, param_bytes=param_bytes) \
+            + ((m - 1) * down if copies_in_backward else 0.0)
+    in_step = host - (m * down if copies_in_backward else 0.0)
+    out = {phase: phases[phase]["compute"] + phases[phase]["exposed"] + phases[phase]["overhead"]
+           for phase in ("forward", "backward")}
+    out["backward"] += host_exposed
+    out["step"] = step_comm + update + in_step
     return {"compute": phases["forward"]["compute"] + phases["backward"]["compute"],
             "comm": sum(p["comm"] for p in phases.values()),
             "exposed_comm": sum(p["exposed"] for p in phases.values()),
@@ -334,25 +426,42 @@ OPTIONS = ((0, False), (1, False), (2, False), (3, False), (1, True), (2, True),
 PLANNER_ASSUMPTIONS = (
     ("model states", "16 bytes/param before partitioning (bf16 params and grads, fp32 master, Adam m, v); "
                      "ZeRO's per-stage formulas", "ZeRO Sec. 5.1; zerolab.memory.model_state_bytes"),
-    ("activations", "16-bit, s·b·h·(34 + 5·a·s/h) bytes per layer; full recomputation keeps 2·s·b·h per "
-                    "layer + one layer's working set", "Korthikanti et al. 2022, arXiv 2205.05198"),
+    ("activations", "16-bit, fused (FlashAttention-style) attention, no dropout: 32·s·b·h bytes per layer "
+                    "+ the kernel's fp32 logsumexp (the paper's naive attention with dropout, "
+                    "s·b·h·(34 + 5·a·s/h), is attention='paper': 114·s·b·h at s = 2048)",
+     "Korthikanti et al. 2022, arXiv 2205.05198, Sec. 4.1; cost.activation_bytes"),
+    ("recomputation", "none; selective (each core attention recomputed: drops its s² terms, which a fused "
+                      "kernel never keeps); full (each layer's 2·s·b·h input kept); a recomputing mode "
+                      "holds one layer's working set on top", "Korthikanti Sec. 5"),
     ("model shape", "Ψ = 12·L·h², L = h/128 layers, heads of 128 (GPT-3-like)", "cost.gpt_shape"),
-    ("micro-batch", "the largest that fits beside the model states without recomputation, and the largest "
-                    "with it; the faster of the two; the step's tokens in equal micro-batches", "cost.plan"),
-    ("compute", "2Ψ forward + 4Ψ backward FLOPs per token (6Ψ), 8Ψ with full recomputation, at peak x MFU",
-     "Kaplan et al. 2020; Korthikanti Sec. 5"),
+    ("micro-batch", "per recomputation mode, the largest that fits beside the model states; the fastest "
+                    "of the three; the step's tokens in equal micro-batches", "cost.plan"),
+    ("compute", "2Ψ forward + 4Ψ backward FLOPs per token plus the core attention's 4·L·s·h forward (x3 "
+                "with backward); selective recomputation adds that attention forward once more, full "
+                "recomputation the whole forward (8Ψ); at peak x MFU", "Kaplan et al. 2020; Korthikanti Sec. 5"),
     ("communication", "ring alpha-beta per collective; each in its phase: gradient reductions hide under "
                       "backward, stage 1-2's all-gather after the update (exposed), stage 3's gathers "
-                      "under forward/backward with prefetch", "ZeRO Sec. 7; cost.step_time"),
+                      "under forward/backward with prefetch, one call per layer, the first gather of each "
+                      "phase and the last reduce-scatter exposed", "ZeRO Sec. 7; cost.step_time(units=...)"),
     ("accumulation", "stages 0-1 reduce once per step, stage 2 every micro-batch, stage 3 gathers and "
                      "reduces every micro-batch", "DDP no_sync; DeepSpeed stage 2/3"),
-    ("optimizer", "device Adam memory-bound (28 B/param at HBM bandwidth); offload: PCIe 4Ψ/N bytes + "
-                  "host Adam of Ψ/N params, never hidden (no DPU)", "ZeRO-Offload; cost.offload_time"),
-    ("not modelled", "tensor / pipeline parallelism, buffers and fragmentation, MFU changing with "
-                     "micro-batch size, hierarchical collectives", ""),
+    ("optimizer", "device Adam memory-bound (28 B/param at HBM bandwidth); offload: the gradient shard's "
+                  "copy to the host hides under backward, the parameters' copy back and the host Adam of "
+                  "Ψ/N params do not (no delayed update)", "ZeRO-Offload Sec. 4.1; cost.offload_time"),
+    ("not modelled", "tensor / pipeline parallelism; stage 3's per-unit launch, hook and allocator time "
+                     "(step_time's unit_overhead, 0 here) and its fragmentation; prefetch landing late "
+                     "when a unit's compute is short; the SMs and memory bandwidth overlapped "
+                     "communication takes from compute; MFU changing with micro-batch size; hierarchical "
+                     "collectives", ""),
     ("choice", "fastest predicted option that fits; within 5%: no offload first, then the larger "
-               "micro-batch (what ZeRO-2's freed gradients buy), then the lower stage", "cost.plan"),
+               "micro-batch (what ZeRO-2's freed gradients buy), then the lower stage. Stage 3 for "
+               "memory: a ZeRO-3 option wins only where no stage 0-2 option (same offload) fits the same "
+               "micro-batch with no more recomputation; a predicted edge for ZeRO-3 there rests on what "
+               "the model leaves out", "cost.plan(stage3='memory'); Hugging Face's DeepSpeed guide"),
 )
+
+STAGE3_RULES = ("memory", "speed")
+_RECOMPUTE_RANK = {None: 0, "selective": 1, "full": 2}
 
 
 def _divisors_desc(n):
@@ -360,32 +469,45 @@ def _divisors_desc(n):
 
 
 def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mixed_precision=True,
-         overlap=True, tolerance=0.05, options=OPTIONS, shape=None, seq_len=None, recompute=False,
-         gather_order="after_step", activations=activation_bytes):
+         overlap=True, tolerance=0.05, options=OPTIONS, shape=None, seq_len=None, recompute=None,
+         gather_order="after_step", activations=activation_bytes, attention="fused", stage3="memory",
+         unit_overhead=0.0):
     """Every (stage, offload) option for Ψ = ``num_params`` on ``world_size`` ranks of ``hw``, best
     first: [{"stage", "offload", "device_bytes", "activation_bytes", "micro_batch", "micro_batches",
     "recompute", "fits", "step_s", "times"}] (the decision rule of lessons 07 and 07b).
 
-    Without ``shape``: ``tokens_per_rank`` in one micro-batch, with or without ``recompute``, and the
-    activations are whatever ``reserved_bytes`` reserves. With ``shape`` ({"layers", "hidden",
-    "heads"}, e.g. :func:`gpt_shape`) and ``seq_len``: the step's ``tokens_per_rank / seq_len``
-    sequences per rank are split into the fewest equal micro-batches whose ``activations`` (default
-    :func:`activation_bytes`) fit beside the model states in ``hw.device_memory - reserved_bytes``,
-    without recomputation and with full recomputation (8Ψ per token), and the faster of the two is
-    kept: memory an option frees (ZeRO-2's gradients) buys a larger micro-batch or no recomputation.
-    An option fits if one sequence per micro-batch fits. Among the options that fit, the fastest predicted step wins;
-    options within ``tolerance`` of the fastest count as equally fast, and then no offload wins, then
-    the larger micro-batch, then the lower stage. Options that do not fit come last, least memory
-    first. Every assumption: :data:`PLANNER_ASSUMPTIONS`."""
+    Without ``shape``: ``tokens_per_rank`` in one micro-batch, with ``recompute`` (None, "selective",
+    "full"), and the activations are whatever ``reserved_bytes`` reserves. With ``shape`` ({"layers",
+    "hidden", "heads"}, e.g. :func:`gpt_shape`) and ``seq_len``: for each recomputation mode (none,
+    selective, full) the step's ``tokens_per_rank / seq_len`` sequences per rank are split into the
+    fewest equal micro-batches whose ``activations`` (default :func:`activation_bytes` with
+    ``attention``) fit beside the model states in ``hw.device_memory - reserved_bytes``, and the
+    fastest is kept: memory an option frees (ZeRO-2's gradients) buys a larger micro-batch or less
+    recomputation. Compute then counts the core attention (:func:`attention_flops`), and stage 3 is
+    costed one unit per layer (:func:`step_time`'s ``units``, with ``unit_overhead``). An option fits
+    if one sequence per micro-batch fits.
+
+    Among the options that fit, the fastest predicted step wins; options within ``tolerance`` of the
+    fastest count as equally fast, and then no offload wins, then the larger micro-batch, then the
+    lower stage. ``stage3="memory"`` (default): a stage-3 option counts as no faster than any stage
+    0-2 option with the same offload that fits the same or a larger micro-batch with no more
+    recomputation (ZeRO-3 is chosen for what it fits, not for a predicted edge the model gets by
+    leaving out its per-unit costs); ``"speed"``: the prediction alone. Options that do not fit come
+    last, least memory first. Every assumption: :data:`PLANNER_ASSUMPTIONS`."""
     if (shape is None) != (seq_len is None):
         raise ValueError("plan: pass shape and seq_len together (or neither)")
-    sequences = None
+    if stage3 not in STAGE3_RULES:
+        raise ValueError(f"stage3={stage3!r} is not known: choose one of {list(STAGE3_RULES)}")
+    recompute = _check_recompute(recompute)
+    sequences, attn, units = None, 0.0, None
     if shape is not None:
         sequences = tokens_per_rank / seq_len
         if sequences < 1 or sequences != int(sequences):
             raise ValueError(f"plan: tokens_per_rank={tokens_per_rank!r} must be a whole number (>= 1) of "
                              f"sequences of seq_len={seq_len!r}")
         sequences = int(sequences)
+        attn = attention_flops(layers=shape["layers"], hidden=shape["hidden"], seq_len=seq_len)
+        units = max(1, round(shape["layers"]))
     word = 2 if mixed_precision else 4
     rows = []
     for stage, offload in options:
@@ -394,31 +516,102 @@ def plan(num_params, world_size, hw, *, tokens_per_rank, reserved_bytes=0.0, mix
         free = hw.device_memory - reserved_bytes - dev
         time = lambda recomp, m: step_time(num_params, world_size, stage, tokens_per_rank=tokens_per_rank, hw=hw,
                                            offload=offload, overlap=overlap, grad_bytes=word, param_bytes=word,
-                                           recompute=recomp, micro_batches=m, gather_order=gather_order)
+                                           recompute=recomp, micro_batches=m, gather_order=gather_order,
+                                           attention=attn, units=units if stage == 3 else None,
+                                           unit_overhead=unit_overhead)
         if shape is None:
             row = {"activation_bytes": 0.0, "micro_batch": None, "micro_batches": 1, "recompute": recompute,
                    "fits": free >= 0, "times": time(recompute, 1)}
         else:
-            # per recomputation mode, the largest micro-batch that fits; then the faster of the two
+            # per recomputation mode, the largest micro-batch that fits; then the fastest of those
             candidates = []
-            for recomp in (False, True):
+            for recomp in RECOMPUTE:
                 for b in _divisors_desc(sequences):
-                    act = activations(seq_len=seq_len, micro_batch=b, checkpointing=recomp, **shape)
+                    act = activations(seq_len=seq_len, micro_batch=b, recompute=recomp, attention=attention,
+                                      **shape)
                     if act <= free:
                         candidates.append({"activation_bytes": act, "micro_batch": b, "micro_batches": sequences // b,
                                            "recompute": recomp, "fits": True, "times": time(recomp, sequences // b)})
                         break
             if candidates:
-                row = min(candidates, key=lambda c: (c["times"]["total"], c["recompute"]))
+                row = min(candidates, key=lambda c: (c["times"]["total"], _RECOMPUTE_RANK[c["recompute"]]))
             else:
-                row = {"activation_bytes": activations(seq_len=seq_len, micro_batch=1, checkpointing=True, **shape),
-                       "micro_batch": None, "micro_batches": sequences, "recompute": True, "fits": False,
-                       "times": time(True, sequences)}
+                row = {"activation_bytes": activations(seq_len=seq_len, micro_batch=1, recompute="full",
+                                                       attention=attention, **shape),
+                       "micro_batch": None, "micro_batches": sequences, "recompute": "full", "fits": False,
+                       "times": time("full", sequences)}
         rows.append(dict(row, stage=stage, offload=offload, device_bytes=dev, step_s=row["times"]["total"]))
-    fastest = min((r["step_s"] for r in rows if r["fits"]), default=math.inf)
-    return sorted(rows, key=lambda r: (0, r["step_s"] > fastest * (1 + tolerance), r["offload"],
+
+    def ranked_time(r):
+        """The time the choice compares: with stage3='memory', a ZeRO-3 option is no faster than a
+        lower stage that fits as much with as little recomputation."""
+        if stage3 == "speed" or r["stage"] != 3:
+            return r["step_s"]
+        peers = [q["step_s"] for q in rows if q["fits"] and q["stage"] < 3 and q["offload"] == r["offload"]
+                 and (q["micro_batch"] or 0) >= (r["micro_batch"] or 0)
+                 and _RECOMPUTE_RANK[q["recompute"]] <= _RECOMPUTE_RANK[r["recompute"]]]
+        return max([r["step_s"]] + [min(peers)] if peers else [r["step_s"]])
+
+    for r in rows:
+        r["ranked_s"] = ranked_time(r) if r["fits"] else r["step_s"]
+    fastest = min((r["ranked_s"] for r in rows if r["fits"]), default=math.inf)
+    return sorted(rows, key=lambda r: (0, r["ranked_s"] > fastest * (1 + tolerance), r["offload"],
                                        -(r["micro_batch"] or 0), r["stage"])
                   if r["fits"] else (1, r["device_bytes"] + r["activation_bytes"]))
+
+
+# -- rules of thumb: what the cost model implies, in closed form (lesson 07b) ---------------------------
+def tokens_to_hide(stage, hw, *, word_bytes=2, gather_order="after_step"):
+    """The fewest tokens per GPU per step (one micro-batch) for which ``stage``'s communication that CAN
+    hide does hide under its phase's compute, in the large-N, bandwidth-only limit of :func:`step_time`
+    ((N-1)/N -> 1, latency left out): {"forward", "backward"} tokens, and "exposed_bytes_per_param",
+    the bytes per parameter that never hide (stage 1-2's all-gather after the update).
+
+    With F = peak·MFU FLOP/s, B the link's bytes/s and w bytes per word, a phase of c·Ψ·T FLOPs hides
+    k·w·Ψ bytes when T >= k·w·F / (c·B): forward c = 2, backward c = 4. DP all-reduces 2w in backward:
+    T >= w·F/(2B); stages 1-2 reduce-scatter w in backward, T >= w·F/(4B), and all-gather w after the
+    update (never hidden) or in the next forward, T >= w·F/(2B); stage 3 gathers w in forward and w +
+    a reduce-scatter w in backward: T >= w·F/(2B) in both. In bf16 (w = 2) that is T >= F/B."""
+    _check_gather_order(gather_order)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r}: choose 0, 1, 2 or 3")
+    rate, b, w = hw.peak_flops * hw.mfu, hw.link_bandwidth, word_bytes
+    per_param = {"forward": 0.0, "backward": 0.0}                  # bytes per parameter that can hide
+    exposed = 0.0
+    if stage == 0:
+        per_param["backward"] = 2 * w
+    elif stage in (1, 2):
+        per_param["backward"] = w
+        if gather_order == "next_forward":
+            per_param["forward"] = w
+        else:
+            exposed = w
+    else:
+        per_param["forward"], per_param["backward"] = w, 2 * w
+    flops = {"forward": 2, "backward": 4}
+    out = {phase: per_param[phase] * rate / (flops[phase] * b) for phase in flops}
+    out["exposed_bytes_per_param"] = exposed
+    return out
+
+
+def data_parallel_limit(hw, *, critical_batch_tokens, seq_len, stage=3, word_bytes=2):
+    """How many GPUs data parallelism alone can use before its global batch passes the critical batch:
+    each GPU needs at least one sequence and at least :func:`tokens_to_hide` tokens per step (else its
+    communication shows), so the global batch is at least N·max(seq_len, T_hide); past
+    ``critical_batch_tokens`` a larger batch no longer cuts the number of steps (McCandlish et al. 2018,
+    arXiv 1812.06162; Kaplan et al. 2020, Sec. 5.1). Beyond N = critical batch / max(seq_len, T_hide)
+    more GPUs need tensor or pipeline parallelism (Narayanan et al. 2021, Sec. 1 and 3)."""
+    t = tokens_to_hide(stage, hw, word_bytes=word_bytes)
+    return critical_batch_tokens / max(seq_len, t["forward"], t["backward"])
+
+
+def critical_batch_tokens(loss):
+    """Kaplan et al. 2020 (arXiv 2001.08361, Eq. 1.4): B_crit(L) ≈ B* / L^(1/α_B) tokens, B* ≈ 2·10^8,
+    α_B ≈ 0.21, for a cross-entropy loss L in nats per token (their WebText2 fit: an order of
+    magnitude, not a law of your data)."""
+    if not loss > 0:
+        raise ValueError(f"loss={loss!r} must be a positive loss in nats per token")
+    return 2e8 / loss ** (1 / 0.21)
 
 
 # -- two links: fast inside a node, slow between nodes (lesson 12) ------------------------------------
@@ -510,16 +703,38 @@ def hybrid_collectives(num_params, nodes, per_node, scheme, *, word=2, block=204
 
 
 def hybrid_link_bytes(num_params, nodes, per_node, scheme, **kw):
-    """{"intra", "inter"}: bytes one rank sends per step under the ideal algorithms (accounting),
-    counting a collective over all N ranks as cross-node (the paper's "cross-node volume": its
-    slowest hop runs at the inter-node speed)."""
-    n = {"intra": per_node, "inter": nodes, "all": nodes * per_node}
+    """{"intra", "inter"}: bytes that cross each kind of link per NODE per step under the ideal
+    algorithms (accounting): summed over the node's ``per_node`` GPUs, so a byte is counted once, on
+    the wire it crosses. One convention for every scheme, ZeRO++'s own ("cross-node volume", Sec. 3:
+    ZeRO-3's 3M down to 0.75M, M the model's bytes):
+
+    * a group inside the node ("intra"): each GPU sends factor·(p-1)/p of the buffer, all inside;
+    * a group of one GPU per node ("inter", p of them at once): each GPU sends factor·(m-1)/m of its
+      buffer across nodes, p GPUs per node;
+    * a ring over all N ranks, numbered node-major ("all"): the ring leaves each node once, so
+      factor·(N-1)/N of the buffer crosses per node and (p-1) times that stays inside. The same
+      whether NCCL runs one ring per network card (each carrying 1/cards of the buffer through its own
+      card) or gloo one ring: the cards change the speed (:meth:`TwoLinks.bandwidth`), not the bytes.
+
+    factor: 2 for an all-reduce, 1 for a reduce-scatter, an all-gather or an all-to-all (for an
+    all-to-all over all N ranks, each GPU sends (N-p)/N of its input across nodes, (p-1)/N inside)."""
+    m, p = nodes, per_node
+    n = m * p
     factor = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
     out = {"intra": 0.0, "inter": 0.0}
     for calls in hybrid_collectives(num_params, nodes, per_node, scheme, **kw).values():
         for op, nbytes, link in calls:
-            g = n[link]
-            out["intra" if link == "intra" else "inter"] += factor[op] * (g - 1) / g * nbytes
+            f = factor[op] * nbytes
+            if link == "intra":
+                out["intra"] += p * f * (p - 1) / p
+            elif link == "inter":
+                out["inter"] += p * f * (m - 1) / m
+            elif op == "all_to_all":
+                out["inter"] += p * f * (n - p) / n
+                out["intra"] += p * f * (p - 1) / n
+            else:
+                out["inter"] += f * (n - 1) / n if m > 1 else 0.0
+                out["intra"] += (p - 1 if m > 1 else p) * f * (n - 1) / n
     return out
 
 

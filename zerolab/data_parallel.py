@@ -25,6 +25,7 @@ Bytes per rank per step, both ways: a ring all-reduce of the Ψ-element gradient
 ``zerolab.initialize`` on it.
 """
 import contextlib
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -140,7 +141,11 @@ class BucketedGradSync:
                     view.copy_(p.grad)
                 p.grad = view
         self.enabled = True   # False inside no_sync(): accumulate locally, no communication
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        # Weak: a dropped DataParallel (or stage-0 engine) is not kept alive by the model, and its hooks
+        # then do nothing, so the model can be wrapped again (they would reduce the gradients twice)
+        ready = weakref.WeakMethod(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda q: None if ready() is None else ready()(q))
+                       for p in params]
         self._new_round()
 
     def _new_round(self):

@@ -31,10 +31,12 @@ Checkpoints (:mod:`zerolab.checkpoint`) use only the public methods :meth:`Engin
 saves and loads without touching the checkpoint code.
 """
 import contextlib
+import gc
 import hashlib
 import inspect
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -136,10 +138,35 @@ def split_options(engine_class, kwargs, optimizer_class, *, others=()):
     return options, opt_kwargs
 
 
+def wrapped_by(model):
+    """What already wrapped ``model``, in words ("zerolab.fully_shard", "a zerolab stage 2 engine"), or
+    None. Its hooks (and at stage 3 and in fully_shard its shards) belong to that wrapper: a second
+    one would reduce every gradient twice or read freed shards. fully_shard marks the parameters
+    it replaced; every wrapper keeps a weak reference to itself on the model, dead once the wrapper
+    is gone (a construction that failed leaves nothing alive, after a garbage collection)."""
+    for p in model.parameters():
+        if p.__dict__.get("_zerolab_sharded") == "fully_shard" or "_zerolab_replaced" in p.__dict__:
+            return "zerolab.fully_shard"
+    ref = model.__dict__.get("_zerolab_wrapper")
+    if ref is None or ref() is None:
+        return None
+    gc.collect()                           # a half-built wrapper may linger in a reference cycle
+    holder = ref()
+    if holder is None:
+        return None
+    return f"a zerolab {holder.label()} engine" if hasattr(holder, "label") else "zerolab.fully_shard"
+
+
 def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, reduce_impl, group):
     """ValueError naming the first bad value of the options every stage shares."""
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    holder = wrapped_by(model)
+    if holder is not None:
+        raise ValueError(f"this model is already wrapped by {holder}: its hooks (and, sharded, its parameters) "
+                         f"belong to it, so a second engine would reduce gradients twice or read freed shards. "
+                         f"Build a fresh model (or load the full state dict, e.g. engine.full_state_dict(), "
+                         f"into one) and pass that")
     on_meta = meta_tensors(model)
     if on_meta and stage != 3:
         raise ValueError(f"the model has tensors on the meta device ({on_meta[:3]}{' ...' if len(on_meta) > 3 else ''}) "
@@ -293,6 +320,7 @@ class Engine:
                  group=None, loss_scale=None, reduce_dtype=None, activation_checkpointing=None,
                  checkpoint_units=None, broadcast_buffers=True):
         self.module = module
+        module.__dict__["_zerolab_wrapper"] = weakref.ref(self)   # wrapped_by(): one wrapper per model
         self.broadcast_buffers = broadcast_buffers
         self.optimizer_class = optimizer
         self.opt_kwargs = dict(opt_kwargs)
@@ -556,7 +584,8 @@ def cast_floats(obj, dtype):
 
 
 def _guard_torch_clipping():
-    """Make ``torch.nn.utils.clip_grad_norm_`` refuse the parameters of a ZeRO engine (stages 1-3).
+    """Make ``torch.nn.utils.clip_grad_norm_`` refuse the parameters of a ZeRO engine (stages 1-3)
+    and the shards of a :func:`zerolab.fully_shard` model (``_zerolab_sharded == "fully_shard"``).
     Between backward and step each rank holds only part of the averaged gradient there: at stage 1
     ``p.grad`` is this rank's LOCAL (unaveraged) gradient outside its shard, at stages 2-3 ``p.grad``
     is None, so torch's norm differs per rank (stage 1) or is 0 (stages 2-3), and training silently
@@ -572,6 +601,12 @@ def _guard_torch_clipping():
     def clip_grad_norm_(parameters, *args, **kwargs):
         params = [parameters] if torch.is_tensor(parameters) else list(parameters)
         sharded = next((getattr(p, "_zerolab_sharded") for p in params if hasattr(p, "_zerolab_sharded")), None)
+        if sharded == "fully_shard":
+            raise RuntimeError("torch.nn.utils.clip_grad_norm_ on the shards of a zerolab.fully_shard model would "
+                               "clip with a wrong norm: each rank holds only its rows of each averaged gradient, "
+                               "so the norm (and the clipping) would differ per rank. Call "
+                               "zerolab.clip_grad_norm_(model, max_norm) after backward instead: the global norm "
+                               "from every rank's shards, equal to torch's on one process")
         if sharded is not None:
             raise RuntimeError(f"torch.nn.utils.clip_grad_norm_ on the parameters of a zerolab {sharded} engine "
                                f"would clip with a wrong norm: each rank holds only its shard of the averaged "

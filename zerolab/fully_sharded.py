@@ -40,18 +40,37 @@ all-reduced (averaged) at the end of backward, identical on every rank. Frozen p
 floating buffers stay whole, cast to ``param_dtype``. A weight tied across units belongs to the
 smallest unit holding all of its uses (TinyGPT's embedding and head: the root); if none does,
 ValueError (:func:`zerolab.units.assign_params`).
+
+**Two rules, enforced.** (1) Build the optimizer AFTER ``fully_shard``: it must hold the shards.
+The parameters it replaces become :class:`ReplacedParameter` (no data, recognisable), and an
+optimizer built before, which holds them, raises at its first ``step()`` or ``zero_grad()``
+naming the fix. FSDP2 has the same rule and no check: its ``fully_shard`` puts new DTensor
+parameters on the module (``FSDPParam._init_sharded_param`` -> ``_setattr_on_modules``,
+torch/distributed/fsdp/_fully_shard/_fsdp_param.py) and leaves the old ones, whole, to whoever
+holds them; they never get a gradient, so such an optimizer's ``step()`` silently does nothing
+(tests/test_fully_shard.py runs it). (2) A sharded parameter is whole only inside its unit's
+forward and backward; elsewhere it is a :class:`ShardParameter` holding this rank's rows, which
+refuses to be used as the whole weight (``F.linear(h, model.c.weight)`` in your code, or a weight
+tied by hand across units in the model's forward): RuntimeError naming the parameter, its unit
+and the fixes, where it would silently compute with a piece of the weight. FSDP2 gets the same
+from DTensor, which refuses to mix with plain tensors.
 """
+import weakref
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch._C import _disabled_torch_function_impl
 
 from zerolab import comm, engine, mixed_precision
 from zerolab.engine import OwnedGrads, cast_floats, check_same_model
 from zerolab.launch import rank_device
 from zerolab.meta_init import Materializer, check_init_options, meta_tensors
 from zerolab.shard_optim import master_dtype
-from zerolab.units import assign_params, module_name
+from zerolab.units import assign_params, check_units, module_name
 from zerolab.zero3 import register_pre_backward
 
 DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -83,16 +102,143 @@ def unshard_dim0(shard, rows, group=None):
     return full[:rows]
 
 
+# -- the parameters a sharded module shows: shards that refuse whole uses, and the replaced ones ------
+# Operations that use a tensor as a whole weight: with a shard they compute silently with 1/N of it.
+WHOLE_USES = frozenset({
+    "linear", "bilinear", "embedding", "embedding_bag", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm",
+    "addmv", "addbmm", "baddbmm", "mv", "dot", "vdot", "inner", "outer", "einsum", "tensordot", "layer_norm",
+    "rms_norm", "group_norm", "batch_norm", "instance_norm", "prelu", "t", "transpose", "permute",
+    "multi_head_attention_forward"})
+TRANSPOSES = frozenset({"T", "mT", "H", "mH"})       # attributes: p.T is a step towards a whole use
+
+
+class ShardInfo(NamedTuple):
+    name: str            # the parameter's name in the model
+    unit: str            # its unit
+    module: str          # the module that owns it (whose forward gathers it)
+    shape: tuple         # the whole parameter's shape
+    rank: int
+    world_size: int
+
+
+def _attribute(func):
+    """'grad' for the getter/setter of ``tensor.grad`` as __torch_function__ sees it, else None."""
+    if getattr(func, "__name__", "") in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", None)
+    return None
+
+
+class ShardParameter(nn.Parameter):
+    """A parameter of a :func:`fully_shard` unit at rest: this rank's c = ceil(rows/N) rows. What
+    ``model.parameters()`` yields; optimizers, clipping, gradient scalers and state dicts use it
+    as any parameter (elementwise, with tensors of its own shape). It refuses a WHOLE use: an
+    operation of :data:`WHOLE_USES` (linear, embedding, matmul, a norm...) or ``.T``, or one that
+    mixes it with a tensor of another shape and more than one element (``x * w``; a learning rate
+    held in a tensor is fine): outside its unit's forward it holds only
+    a piece of the weight, so the result would be silently wrong. Results of operations on it are
+    plain tensors (as nn.Parameter's)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name, attribute = getattr(func, "__name__", ""), _attribute(func)
+        if attribute is not None:
+            if attribute in TRANSPOSES:
+                _refuse_whole_use(args[0], f".{attribute}")
+        elif not name.startswith("_foreach_"):           # torch optimizers' list ops: shard with shard
+            shards = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, ShardParameter)]
+            if name in WHOLE_USES:
+                _refuse_whole_use(shards[0], f"{name}()")
+            with torch._C.DisableTorchFunctionSubclass():
+                for t in pytree.tree_leaves((args, kwargs)):
+                    if isinstance(t, torch.Tensor) and not isinstance(t, ShardParameter) and t.numel() > 1:
+                        for shard in shards:
+                            if t.shape != shard.shape:
+                                _refuse_whole_use(shard, f"{name}() with a tensor of shape {tuple(t.shape)}")
+        return _disabled_torch_function_impl(func, types, args, kwargs)
+
+
+def _refuse_whole_use(shard, what):
+    info = shard.__dict__.get("_zerolab_shard")
+    if info is None:
+        raise RuntimeError(f"fully_shard: a sharded parameter was used whole ({what}) outside its unit's forward")
+    with torch._C.DisableTorchFunctionSubclass():
+        c = shard.shape[0]
+    raise RuntimeError(
+        f"fully_shard: parameter {info.name!r} of unit {info.unit!r} was used as a whole weight ({what}) outside "
+        f"that unit's forward, where it holds only rank {info.rank}'s shard: {c} of its {info.shape[0]} rows "
+        f"(shape {(c,) + tuple(info.shape[1:])} of {tuple(info.shape)}); the result would be silently wrong. "
+        f"Fixes: use the weight through its own module ({info.module!r}: calling it gathers the weight); for a "
+        f"weight two modules share (a tied embedding and head), tie the modules' parameters before fully_shard "
+        f"(model.head.weight = model.emb.weight: a tied weight goes into the smallest unit holding every use), "
+        f"or choose units that keep {info.unit!r} with its user (units=[...], the model itself included: the "
+        f"root); to read whole weights outside the forward, model.full_state_dict()")
+
+
+# Reading these from a replaced parameter is harmless; anything else refuses.
+_METADATA = frozenset({"size", "dim", "numel", "__len__", "stride", "is_floating_point", "is_complex",
+                       "element_size", "__hash__", "__format__", "__reduce_ex__", "__setstate__"})
+
+
+class ReplacedParameter(nn.Parameter):
+    """A parameter :func:`fully_shard` replaced by its shard: no data left (0 elements), and any use
+    of it, its ``.grad`` included, raises a RuntimeError naming the fix. An optimizer built before
+    ``fully_shard`` holds these (not the shards the module trains): its first ``step()`` or
+    ``zero_grad()`` reads their ``.grad`` and raises, where it would silently train nothing."""
+
+    @property
+    def grad(self):
+        raise RuntimeError(_replaced_message(self, "its .grad was read: an optimizer step or zero_grad?"))
+
+    @grad.setter
+    def grad(self, value):
+        raise RuntimeError(_replaced_message(self, "its .grad was set"))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        attribute = _attribute(func)
+        if (attribute is None and getattr(func, "__name__", "") not in _METADATA) or \
+                attribute in TRANSPOSES | {"data", "real", "imag"}:
+            raise RuntimeError(_replaced_message(args[0], f"used in {getattr(func, '__name__', func)}"))
+        return _disabled_torch_function_impl(func, types, args, kwargs or {})
+
+    def __repr__(self):
+        name, shape = self.__dict__.get("_zerolab_replaced", ("?", ()))
+        return f"ReplacedParameter({name!r}, shape {tuple(shape)}: replaced by its shard by zerolab.fully_shard)"
+
+
+def _replaced_message(p, what):
+    name, shape = p.__dict__.get("_zerolab_replaced", ("?", ()))
+    return (f"fully_shard: parameter {name!r} (shape {tuple(shape)}) was replaced by this rank's shard when "
+            f"fully_shard(model) ran; this old parameter holds no data and gets no gradient ({what}). An "
+            f"optimizer built before fully_shard holds the old parameters and would train nothing: build it "
+            f"after, from the sharded model: model = zerolab.fully_shard(model); opt = "
+            f"torch.optim.AdamW(model.parameters(), ...) (FSDP2's fully_shard has the same rule). To keep "
+            f"initial values, copy them before sharding (p.detach().clone()).")
+
+
+def _replace(p, name):
+    """Turn the whole parameter ``p`` (its values now in a shard) into a :class:`ReplacedParameter`:
+    the same object (what an optimizer built before holds), its memory released."""
+    shape = tuple(p.shape)
+    with torch.no_grad():
+        p.grad = None
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    p.__class__ = ReplacedParameter                  # the same layout (torch.utils.swap_tensors does this)
+    p._zerolab_replaced = (name, shape)
+
+
 class _Sharded:
-    """A sharded parameter: ``shard`` (this rank's rows, an nn.Parameter in the original dtype, what
-    ``model.parameters()`` yields) and ``full`` (the compute-dtype parameter the module uses while
+    """A sharded parameter: ``shard`` (this rank's rows, a :class:`ShardParameter` in the original
+    dtype, what ``model.parameters()`` yields) and ``full`` (the compute-dtype parameter the module uses while
     its unit is gathered, a view of the first ``rows`` rows of its padded region of ``unit.full``)."""
 
     def __init__(self, p, where, rank, world_size, dtype):
         self.where, self.rows, self.n = where, p.shape[0], world_size     # where: [(module, name)]
         self.c = rows_per_rank(self.rows, world_size)
         self.row_numel = p[0].numel()
-        self.shard = nn.Parameter(shard_dim0(p.detach(), rank, world_size), requires_grad=True)
+        self.shard = ShardParameter(shard_dim0(p.detach(), rank, world_size), requires_grad=True)
         self.full = nn.Parameter(torch.empty(0, dtype=dtype, device=p.device))   # data: set by bind
         self.shape = p.shape
 
@@ -139,10 +285,14 @@ class FullyShardedModule(nn.Module):
                  init_fn=None, init_seed=None):
         super().__init__()
         self.module, self.group, self.reshard_after_forward = module, group, reshard_after_forward
+        module.__dict__["_zerolab_wrapper"] = weakref.ref(self)      # engine.wrapped_by(): one wrapper
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.reduce_impl = engine.default_reduce_impl(group)
         owners, self.replicated, frozen = assign_params(module, units)
+        param_names = {}
+        for n, p in module.named_parameters(remove_duplicate=False):
+            param_names.setdefault(id(p), n)
         meta = Materializer(module, device=rank_device(), seed=init_seed or 0, init_fn=init_fn) \
             if meta_tensors(module) else None
         stray = {id(p) for p in self.replicated if p.dim() > 0 and param_dtype not in (None, p.dtype)}
@@ -150,18 +300,24 @@ class FullyShardedModule(nn.Module):
             names = [n for n, p in module.named_parameters() if id(p) in stray]
             raise ValueError(f"param_dtype={param_dtype} but {names[:4]} stay whole in their own dtype (in no "
                              f"unit): put them in a unit (add the model itself to units: the root)")
-        self.units = []
-        for unit_module, params in owners.items():                        # one unit at a time
-            if meta is not None:              # a meta model: only this unit's modules get memory now
-                meta.materialize([p for p, _ in params], unit=module_name(module, unit_module))
+        for unit_module, params in owners.items():      # refused before any parameter is replaced
             dtypes = {p.dtype for p, _ in params}
             if param_dtype is None and len(dtypes) > 1:
                 raise ValueError(f"unit {module_name(module, unit_module)!r} has parameters of several "
                                  f"dtypes {sorted(map(str, dtypes))}: pass param_dtype, or split the unit")
+        self.units = []
+        for unit_module, params in owners.items():                        # one unit at a time
+            if meta is not None:              # a meta model: only this unit's modules get memory now
+                meta.materialize([p for p, _ in params], unit=module_name(module, unit_module))
             dtype = param_dtype or params[0][0].dtype
             sharded = [_Sharded(p, where, self.rank, self.world_size, dtype) for p, where in params]
-            for s in sharded:
+            unit_name = module_name(module, unit_module)
+            for s, (p, where) in zip(sharded, params):
+                s.shard._zerolab_shard = ShardInfo(param_names[id(p)], unit_name, module_name(module, where[0][0]),
+                                                   tuple(p.shape), self.rank, self.world_size)
+                s.shard._zerolab_sharded = "fully_shard"   # torch's clip_grad_norm_ refuses it (engine's guard)
                 s.install(s.shard)                                     # at rest: the shards
+                _replace(p, param_names[id(p)])   # what an optimizer built before holds: refuses, names the fix
             self.units.append(_Unit(module_name(module, unit_module), unit_module, sharded))
             self._free(self.units[-1])                                 # at rest: the shards only
             owners[unit_module] = None        # drop the whole parameters: the shards replace them
@@ -172,6 +328,7 @@ class FullyShardedModule(nn.Module):
             for t in frozen + list(module.buffers()):
                 if param_dtype is not None and t.is_floating_point():
                     t.data = t.data.to(param_dtype)                   # whole on every rank
+        engine._guard_torch_clipping()    # its norm over the shards would differ per rank: refused
         self._root = next((u for u in self.units if u.module is module), None)
         self._by_full = {id(s.full): u for u in self.units for s in u.params}
         for u in self.units:
@@ -382,6 +539,7 @@ def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, resha
     gets there with ``to_empty`` + ``reset_parameters()`` after ``fully_shard``)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_not_sharded(model)
     if not dist.is_initialized():
         raise ValueError("fully_shard needs a process group: zerolab.launch / Cluster, or init_from_env()")
     for name, v in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
@@ -392,6 +550,7 @@ def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, resha
         raise ValueError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
     if units is not None and not isinstance(units, (list, tuple)):
         raise ValueError(f"units must be None or a list of modules, got {type(units).__name__}")
+    check_units(model, units, root=True)
     bad = [n for n, p in model.named_parameters() if not p.dtype.is_floating_point]
     if bad:
         raise ValueError(f"parameters must be floating point; not so: {bad}")
@@ -402,6 +561,28 @@ def fully_shard(model, *, param_dtype=None, reduce_dtype=None, units=None, resha
     return FullyShardedModule(model, param_dtype=param_dtype, reduce_dtype=reduce_dtype, units=units,
                               reshard_after_forward=reshard_after_forward, group=group, init_fn=init_fn,
                               init_seed=init_seed)
+
+
+def check_not_sharded(model):
+    """ValueError if ``model`` is already sharded (by fully_shard, or by FSDP2 / DTensor), or holds
+    parameters fully_shard cannot cut (subclasses of nn.Parameter, lazy ones)."""
+    if isinstance(model, FullyShardedModule) or any(isinstance(p, (ShardParameter, ReplacedParameter))
+                                                    for p in model.parameters()):
+        raise ValueError("this model is already sharded by zerolab.fully_shard (its parameters are this rank's "
+                         "shards, or were replaced by them in a call that failed part way): call fully_shard "
+                         "once, on a fresh plain model, listing the units in units=[...] "
+                         "(the model itself among them for the root). FSDP2's nested calls (fully_shard(block) "
+                         "for each block, then fully_shard(model)) are that one call here")
+    holder = engine.wrapped_by(model)
+    if holder is not None:
+        raise ValueError(f"this model is already wrapped by {holder} (its hooks, and at stage 3 its shards, "
+                         f"belong to it): build a fresh model (or load engine.full_state_dict() into one) for "
+                         f"fully_shard")
+    for name, p in model.named_parameters():
+        if type(p) is not nn.Parameter:
+            raise ValueError(f"parameter {name!r} is a {type(p).__module__}.{type(p).__name__}, not a plain "
+                             f"torch.nn.Parameter (a DTensor: the model is already sharded by torch's FSDP2 "
+                             f"fully_shard?): zerolab.fully_shard takes a plain model, built as on one device")
 
 
 def clip_grad_norm_(model, max_norm, norm_type=2.0):

@@ -39,7 +39,9 @@ import torch.distributed as dist
 
 from zerolab import checkpoint, comm, quantize, zero3
 from zerolab.engine import Option, is_flag
+from zerolab.flat import unique_trainable
 from zerolab.mesh import Mesh, mesh_shape
+from zerolab.units import plan_units
 from zerolab.zero3 import Zero3Engine
 
 GRADIENT_BITS = {None: None, "int8": 8, "int4": 4}
@@ -51,6 +53,21 @@ def _is_mesh(v):
         return v is None or bool(mesh_shape(v))
     except ValueError:
         return False
+
+
+def check_quantize_block(module, block, ranks, units, persist_numel):
+    """ValueError if ``block`` is larger than the largest shard the engine will quantize (a unit's
+    Ψ_u / ranks, padded): a block holds at most one shard, so a larger one only asks for buffers
+    that scale with the option (10**9 elements: 4 GB per call). Reads only the model's shapes."""
+    trainable = unique_trainable(module.parameters())
+    plan = plan_units(module, units, trainable, persist_numel=persist_numel)
+    sizes = {name: -(-sum(p.numel() for p in ps) // ranks) for name, _, ps, _, _ in plan}
+    name = max(sizes, key=sizes.get)
+    if block > sizes[name]:
+        raise ValueError(f"quantize_block={block} is larger than the largest shard this engine quantizes: "
+                         f"{sizes[name]} elements (unit {name!r} over {ranks} ranks). A block holds at most one "
+                         f"shard (one scale per shard at most): give quantize_block an int in [1, {sizes[name]}] "
+                         f"(DeepSpeed's blocks hold a few thousand elements; lesson 12's tiny model uses 64)")
 
 
 class HybridOps:
@@ -131,6 +148,11 @@ class HybridEngine(Zero3Engine):
                              f"HSDP reduces gradients inside the node, then all-reduces the shard across "
                              f"nodes; qgZ replaces ZeRO-3's reduce-scatter over ALL ranks. Use hpz=True "
                              f"(ZeRO++'s layout) or no mesh")
+        block = options.get("quantize_block", quantize.DEFAULT_BLOCK)
+        if block != quantize.DEFAULT_BLOCK and not options.get("quantize_weights") and qg is None:
+            raise ValueError(f"quantize_block={block} has no effect: nothing is quantized without "
+                             f"quantize_weights=True (qwZ) or quantize_gradients='int8' / 'int4' (qgZ). Pass one "
+                             f"of them, or leave quantize_block out")
         used = [k for k in HYBRID_OPTIONS if options.get(k) not in (None, False)]
         if used and options.get("ops") is not None:
             raise ValueError(f"ops= (your own ZeRO-3 primitives) cannot be combined with {used}: those options "
@@ -143,6 +165,10 @@ class HybridEngine(Zero3Engine):
                              "combined with it")
         self.mesh = mesh if isinstance(mesh, Mesh) or mesh is None else Mesh(*mesh)
         self.hpz, self.hsdp = hpz, self.mesh is not None and not hpz
+        if quantize_weights or quantize_gradients is not None:      # before the model is touched
+            ranks = self.mesh.per_node if self.hsdp else dist.get_world_size(group)
+            check_quantize_block(module, quantize_block, ranks, options.get("units"),
+                                 options.get("persist_numel", 0))
         self.quantize_weights, self.quantize_block = quantize_weights, quantize_block
         self.gradient_bits = GRADIENT_BITS[quantize_gradients]
         self.hybrid = self.mesh is not None or quantize_weights or quantize_gradients is not None

@@ -32,7 +32,7 @@ import weakref
 
 import cloudpickle
 
-from zerolab._protocol import Ranks, StartupFailure, who as _who
+from zerolab._protocol import OUTPUT_CLOSED, Ranks, StartupFailure, who as _who
 
 DEFAULT_TIMEOUT = 30.0
 MAX_TIMEOUT = 7 * 24 * 3600.0  # a week; far beyond it the OS's timers overflow (poll: ~24.8 days)
@@ -139,6 +139,39 @@ def _signal_name(code):
         return f"signal {-code}"
 
 
+class Isolation:
+    """How a :class:`Cluster` runs code it must not trust (the grader's submissions).
+
+    With any ``Isolation``, ranks reply in plain data only (tensors, numbers, strings and
+    containers of them, zerolab/_plain.py), which this process reads without unpickling: a
+    result or an error can never run code here. ``prefix``: an argv each rank's worker command is
+    run under (e.g. a sandbox's entry point); ``scratch``: the folder the rendezvous is made in
+    (one the ranks can see and write inside their sandbox). ``Isolation()`` alone: plain replies,
+    ordinary processes (the graded tests outside the grader)."""
+
+    def __init__(self, *, prefix=(), scratch=None):
+        if isinstance(prefix, str) or not all(isinstance(a, str) for a in prefix):
+            raise ValueError(f"Isolation(prefix=...) must be a sequence of str (an argv), got {prefix!r}")
+        if scratch is not None and not os.path.isdir(scratch):
+            raise ValueError(f"Isolation(scratch=...) must be an existing folder, got {scratch!r}")
+        self.prefix, self.scratch = tuple(prefix), scratch
+
+    def __repr__(self):
+        return f"Isolation(prefix={self.prefix!r}, scratch={self.scratch!r})"
+
+
+def _how_it_ended(code):
+    """Why a rank stopped answering, from its exit status (None: it still ran), for RankError."""
+    if code == OUTPUT_CLOSED:
+        return ("stopped: its code closed the rank's stdout or stderr (os.close(1) or 2), the pipes the "
+                "launcher reads its output and the end of each run through. Leave file descriptors 1 and 2 "
+                "open; to silence printing, use contextlib.redirect_stdout(io.StringIO())")
+    if code is None:
+        return ("stopped answering: its control connection closed while its process still ran (did its "
+                "code close file descriptors it had not opened, e.g. os.closerange?); stopped")
+    return f"died ({_signal_name(code) if code < 0 else f'exit code {code}'})"
+
+
 class Cluster:
     """N persistent ranks with a live process group, for a notebook session or a test session.
 
@@ -150,11 +183,16 @@ class Cluster:
     a dead rank, a rank still waiting in a collective) stops all ranks, and so does anything that
     interrupts the caller while it waits (Ctrl-C, a test's time limit); the next ``run`` starts
     fresh ones and says so. A failure every rank returned from keeps the ranks (and their state).
-    Runs from several threads are serialized: one waits for the other.
+    Runs from several threads are serialized: one waits for the other. ``isolation``: see
+    :class:`Isolation` (the grader's; results are then plain data).
     """
 
-    def __init__(self, world_size, *, backend="auto", timeout=DEFAULT_TIMEOUT, threads=None):
+    def __init__(self, world_size, *, backend="auto", timeout=DEFAULT_TIMEOUT, threads=None,
+                 isolation=None):
         self.world_size, self.timeout, threads = _check_options(world_size, timeout, threads)
+        if isolation is not None and not isinstance(isolation, Isolation):
+            raise ValueError(f"isolation must be None or a zerolab.launch.Isolation, got {isolation!r}")
+        self.isolation = isolation
         self.backend = resolve_backend(backend, self.world_size)
         self.threads = threads or _default_threads(self.world_size)
         self._ranks = None        # the live zerolab._protocol.Ranks, or None
@@ -186,16 +224,19 @@ class Cluster:
                 self._start()
 
     def _start(self):
-        store_dir = tempfile.mkdtemp(prefix="zerolab-")
+        iso = self.isolation
+        store_dir = tempfile.mkdtemp(prefix="zerolab-", dir=iso.scratch if iso else None)
+        if iso and iso.scratch:
+            os.chmod(store_dir, 0o777)  # a sandboxed rank may run as another (unprivileged) user
         setup = {"sys_path": list(sys.path), "threads": self.threads, "backend": self.backend,
                  "store_path": os.path.join(store_dir, "store"),
-                 "pg_timeout": self.timeout + _PG_MARGIN}
+                 "pg_timeout": self.timeout + _PG_MARGIN, "plain": iso is not None}
         env = dict(os.environ, WORLD_SIZE=str(self.world_size), PYTHONUNBUFFERED="1",
                    OMP_NUM_THREADS=str(self.threads), ZEROLAB_PARENT_PID=str(os.getpid()),
                    ZEROLAB_STORE_DIR=store_dir)
         env.pop("PYTEST_CURRENT_TEST", None)
         try:
-            ranks = Ranks(self.world_size, setup, env, store_dir)
+            ranks = Ranks(self.world_size, setup, env, store_dir, prefix=iso.prefix if iso else ())
         except StartupFailure as exc:
             cls = RankTimeout if exc.timed_out else RankError
             raise cls(str(exc), ranks=exc.ranks) from None
@@ -273,6 +314,9 @@ class Cluster:
                 if kind == "err":
                     errors[rank] = body
                     continue
+                if ranks.plain:  # already read, as plain data, by Ranks.collect
+                    results[rank] = body
+                    continue
                 try:
                     results[rank] = cloudpickle.loads(body)
                 except Exception as exc:  # e.g. a class only the ranks can import
@@ -287,8 +331,8 @@ class Cluster:
         parts = []
         # A dead rank is the cause; errors on the others (connection reset) are its consequence.
         for rank, code in sorted(died.items()):
-            how = _signal_name(code) if code is not None and code < 0 else f"exit code {code}"
-            parts.append(f"rank {rank} died ({how})")
+            # a sentence: a plain-mode rank stopped for breaking the protocol (zerolab._protocol)
+            parts.append(f"rank {rank} {code if isinstance(code, str) else _how_it_ended(code)}")
         by_cause = {}
         for rank, e in sorted(errors.items()):
             by_cause.setdefault((e["type"], e["message"], e.get("local", False)), []).append(rank)

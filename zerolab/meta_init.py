@@ -146,6 +146,7 @@ class Materializer:
 
     def _one(self, name, m):
         label = name or "(model)"
+        fresh = set()                                 # ids of the tensors given memory by this call
         for key, p in m._parameters.items():
             if p is not None and p.is_meta:           # shared: a co-owner may have allocated it already
                 if type(p) is not torch.nn.Parameter:
@@ -158,11 +159,16 @@ class Materializer:
                 except RuntimeError as exc:
                     raise ValueError(f"parameter {key!r} of {label} cannot be given memory in place "
                                      f"(torch.utils.swap_tensors: {exc})") from None
+                fresh.add(id(p))
         for key, b in m._buffers.items():
             if b is not None and b.is_meta:
                 if id(b) not in self.buffers:
                     self.buffers[id(b)] = _unfilled(b, self.device)
+                    fresh.add(id(self.buffers[id(b)]))
                 m._buffers[key] = self.buffers[id(b)]
+        # Integer and boolean tensors given memory here hold zeros, which no check can tell from a real
+        # value: the initialization must write them (a version bump, or a new tensor in their place).
+        exact = {k: (t, t._version) for k, t in _own(m) if id(t) in fresh and not t.is_floating_point()}
         inner = [(f"{sub}.{k}", t) for sub, child in m.named_modules() if child is not m
                  for k, t in _own(child) if not t.is_meta]
         versions = [t._version for _, t in inner]
@@ -178,6 +184,12 @@ class Materializer:
             raise ValueError(f"initializing {label} wrote its submodules' tensors {touched[:5]}: init_fn "
                              f"must initialize only the module's own tensors (recurse=False); each "
                              f"submodule gets its own call")
+        unwritten = [k for k, t in _own(m) if k in exact and exact[k][0] is t and t._version == exact[k][1]]
+        if unwritten:
+            raise ValueError(f"{label}: {unwritten} (integer or boolean) were not written by its initialization "
+                             f"(reset_parameters or init_fn): on the meta device a value computed in __init__ "
+                             f"is lost and would silently be 0. Set them there, even to zeros "
+                             f"(self.{unwritten[0]}.zero_() for a counter), or build the module off the meta device")
         unfilled = [k for k, t in _own(m) if t.is_floating_point() and bool(torch.isnan(t).any())]
         if unfilled:
             raise ValueError(f"{label}: {unfilled} still hold NaN after initialization (reset_parameters or "

@@ -51,6 +51,13 @@ def _check_block(block):
         raise ValueError(f"block={block!r} must be a positive int (elements per scale)")
 
 
+def _width(block, numel):
+    """The padded length of a block: ``block``, or the whole tensor when that is shorter (one block,
+    the same scale: zero padding never changes a block's max|x|). So the buffers stay under
+    numel + block elements, never ``block`` for a small tensor (quantize_block=10**9: not 4 GB)."""
+    return max(1, min(block, numel))
+
+
 class Quantized(NamedTuple):
     """``q``: int8 codes, one per element (int4 codes too, before packing); ``scales``: fp32, one
     per block; ``numel``: elements of the original tensor."""
@@ -67,9 +74,10 @@ def quantize(x, *, bits=8, block=DEFAULT_BLOCK):
     top = qmax(bits)
     flat = x.detach().reshape(-1).float()
     numel, blocks = flat.numel(), math.ceil(flat.numel() / block)
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=flat.device)
+    width = _width(block, numel)
+    padded = torch.zeros(blocks * width, dtype=torch.float32, device=flat.device)   # < numel + block
     padded[:numel] = flat
-    padded = padded.view(blocks, block)                            # (blocks, block)
+    padded = padded.view(blocks, width)                            # (blocks, block)
     scales = padded.abs().amax(dim=1) / top                        # (blocks,) fp32
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(padded / safe[:, None]).clamp_(-top, top).to(torch.int8)
@@ -78,10 +86,10 @@ def quantize(x, *, bits=8, block=DEFAULT_BLOCK):
 
 def dequantize(qt, *, block=DEFAULT_BLOCK, dtype=torch.float32):
     """q * s_b for every element, in ``dtype`` (a flat tensor of ``qt.numel`` elements)."""
-    blocks = qt.scales.numel()
-    padded = torch.zeros(blocks * block, dtype=torch.float32, device=qt.q.device)
+    blocks, width = qt.scales.numel(), _width(block, qt.numel)
+    padded = torch.zeros(blocks * width, dtype=torch.float32, device=qt.q.device)
     padded[:qt.numel] = qt.q.float()
-    return (padded.view(blocks, block) * qt.scales[:, None]).view(-1)[:qt.numel].to(dtype)
+    return (padded.view(blocks, width) * qt.scales[:, None]).view(-1)[:qt.numel].to(dtype)
 
 
 def wire_bytes(numel, *, bits=8, block=DEFAULT_BLOCK):

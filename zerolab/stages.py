@@ -11,12 +11,14 @@ stage  module                    what each rank keeps (Ψ parameters, N ranks, K
 2      :mod:`zerolab.zero2`      + gradients 1/N: 2Ψ + (2 + K)Ψ/N
 3      :mod:`zerolab.zero3`      + parameters 1/N: (4 + K)Ψ/N, gathered layer by layer
 +off   :mod:`zerolab.offload`    stages 1-3 with master, moments and gradient shard on the host
++disk  :mod:`zerolab.infinity`   stages 1-3 with master and moments in a file on disk, streamed
 =====  ========================  =====================================================================
 """
 import torch
 
 from zerolab.engine import check_common, check_same_model, split_options
 from zerolab.hybrid import HybridEngine
+from zerolab.infinity import Zero1DiskEngine, Zero2DiskEngine, Zero3DiskEngine
 from zerolab.offload import Zero1OffloadEngine, Zero2OffloadEngine, Zero3OffloadEngine
 from zerolab.zero0 import DataParallelEngine
 from zerolab.zero1 import Zero1Engine
@@ -30,9 +32,12 @@ ENGINES = {
     (1, "optimizer"): Zero1OffloadEngine,
     (2, "optimizer"): Zero2OffloadEngine,
     (3, "optimizer"): Zero3OffloadEngine,
+    (1, "disk"): Zero1DiskEngine,          # ZeRO-Infinity's optimizer offload to disk (lesson 13)
+    (2, "disk"): Zero2DiskEngine,
+    (3, "disk"): Zero3DiskEngine,
 }
 STAGES = (0, 1, 2, 3)
-OFFLOADS = (None, "optimizer")
+OFFLOADS = (None, "optimizer", "disk")
 
 
 def parse_stage(spec):
@@ -51,8 +56,10 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
     own keywords (``weight_decay=...``) its arguments. ``param_dtype=torch.bfloat16`` trains in mixed
     precision: 2-byte params and grads for compute, fp32 master weights and Adam moments (K = 12).
     ``offload='optimizer'`` keeps the fp32 master, moments and gradient shard on the host
-    (ZeRO-Offload; stages 1-3). ``bucket_bytes``: gradient bucket size for communication (stages 0
-    and 2). ``reduce_impl``: the reduce-scatter of stages 1-3, 'ring' (lesson 00's, from send/recv) or
+    (ZeRO-Offload; stages 1-3); ``offload='disk'`` keeps master and moments in a file in the folder
+    ``offload_path`` and streams them through a few swap buffers at each step (ZeRO-Infinity; stages
+    1-3; options ``swap_chunk``, ``buffer_count``, ``direct_io``: :mod:`zerolab.infinity`).
+    ``bucket_bytes``: gradient bucket size for communication (stages 0 and 2). ``reduce_impl``: the reduce-scatter of stages 1-3, 'ring' (lesson 00's, from send/recv) or
     'torch'; default: torch's on NCCL, the ring on gloo. Every stage also takes ``loss_scale`` (None,
     "dynamic" or a number: fp16 loss scaling, GradScaler's rule) and ``reduce_dtype`` (the dtype
     gradients are reduced in; default the compute dtype; see :mod:`zerolab.mixed_precision`), and
@@ -71,7 +78,7 @@ def initialize(model, *, stage=0, optimizer=torch.optim.AdamW, lr=1e-3, param_dt
         raise ValueError(f"offload={offload!r} is not supported: choose one of {OFFLOADS}")
     if (stage, offload) not in ENGINES:
         raise ValueError(f"offload={offload!r} needs a sharded optimizer: use stage 1, 2 or 3 "
-                         f"(ZeRO-Offload offloads each rank's partition)")
+                         f"(ZeRO-Offload and ZeRO-Infinity offload each rank's partition)")
     check_common(model, stage=stage, optimizer=optimizer, lr=lr, param_dtype=param_dtype,
                  bucket_bytes=bucket_bytes, reduce_impl=reduce_impl, group=group)
     cls = ENGINES[(stage, offload)]

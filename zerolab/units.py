@@ -51,6 +51,34 @@ def build_units(model, units, trainable, *, world_size, rank, dtype, persist_num
                                                                           persist_numel=persist_numel))]
 
 
+def check_units(model, units, *, root):
+    """ValueError naming the first entry of ``units`` that is not a submodule of ``model`` (or
+    ``model`` itself, where ``root``: fully_shard's root unit), and what a unit must be."""
+    if units is None:
+        return
+    inside = {id(m) for m in model.modules()}
+    params = {id(p): n for n, p in model.named_parameters()}
+    must = ("units must be submodules of the model (e.g. model.blocks[0]) or the model itself (the root, "
+            "for what no other unit holds)" if root else
+            "units must be submodules of the model (e.g. model.blocks[0]); what no unit holds goes into the "
+            "root unit by itself")
+    for i, u in enumerate(units):
+        if isinstance(u, nn.Module) and id(u) in inside and (root or u is not model):
+            continue
+        if isinstance(u, str):
+            what = f"the string {u!r} (a name: pass the module itself, model.get_submodule({u!r}))"
+        elif isinstance(u, torch.Tensor):
+            what = (f"parameter {params[id(u)]!r}" if id(u) in params else f"a {type(u).__name__}") + \
+                   f" of shape {tuple(u.shape)} (a unit is the module holding parameters, not a parameter)"
+        elif u is model:
+            what = "the model itself"
+        elif isinstance(u, nn.Module):
+            what = f"a {type(u).__name__} that is not part of this model"
+        else:
+            what = f"a {type(u).__name__} ({u!r:.60})"
+        raise ValueError(f"units[{i}] is {what}: {must}")
+
+
 def plan_units(model, units, trainable, *, persist_numel):
     """How ``model`` is cut, before any unit is built: [(name, module, params, resident, keep)], one
     per unit in build order. ``units`` (the modules the user named) or :func:`default_units`, then a
@@ -59,6 +87,7 @@ def plan_units(model, units, trainable, *, persist_numel):
     the user named, it is refused (ValueError). Units of at most ``persist_numel`` elements stay
     gathered (``keep``); the root is gathered for the whole step (``resident``). Reads only shapes:
     works on a model on the meta device."""
+    check_units(model, units, root=False)
     modules = default_units(model) if units is None else list(units)
     names = {id(m): n for n, m in model.named_modules()}
     owner, chosen = {}, []

@@ -95,8 +95,10 @@ class Zero2Engine(ShardedEngine):
         # The only gradients that persist: shard r of every bucket, back to back (2Ψ/N bytes).
         self.grad_shard, self.grad_shards = self._new_grad_shards([b.shard_numel for b in self.buckets])
         self._where = {id(p): (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
-        on_grad = weakref.WeakMethod(self._on_grad)  # the model must not keep a dropped engine alive
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda q: on_grad()(q)) for p in trainable]
+        on_grad = weakref.WeakMethod(self._on_grad)  # the model must not keep a dropped engine alive,
+        # and a dropped engine's hooks do nothing (the model may be wrapped again: was a TypeError)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda q: None if on_grad() is None else on_grad()(q))
+                       for p in trainable]
         self._full = [None] * len(self.buckets)   # full-size gradient buffer of a bucket, while live
         self._inflight = []                       # (bucket index, async work or None), oldest first
         self._arrived = [set() for _ in self.buckets]

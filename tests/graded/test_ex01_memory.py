@@ -1,13 +1,20 @@
-"""Graded: exercise 01, memory anatomy. The peak of a training step, measured while it runs, is
-checked against bytes computed by hand from layer shapes: tied weights once, a frozen layer without
-grads or state, two micro-batches, bf16 parameters with fp32 masters, and torch DDP's bucket-view
-gradients on 2 real ranks, where plain data parallelism must show the full 16 bytes/param on EVERY
-rank. Every step ends with zero_grad(set_to_none=True): a measurement taken only after the step
-misses the gradients. The theory is checked against the ZeRO paper's worked example and closed
-forms (sharded kinds really 1/N)."""
+"""Graded: exercise 01, memory anatomy.
+
+The submission runs only in probes (its own processes), which build a model, an optimizer and a
+training step, hand them to ``peak_model_states``, and report plain data: the peaks it returned and
+an inventory of the hooks on the model and the optimizer before and after. Every verdict is decided
+here, against bytes computed here by hand from the models' shapes.
+
+The steps are built so that each kind peaks where only a measurement taken while the step runs can
+see it, and so that the peak of the sum differs from the sum of the peaks: tied weights with fp32
+AdamW and ``zero_grad(set_to_none=True)``; bf16 parameters with fp32 masters whose gradients the
+optimizer releases as it steps; a frozen layer and two micro-batches; a step skipped after an
+overflow (gradients released, no optimizer step); parameters and gradients that are views into
+flat buffers the optimizer also keeps (storages shared by two kinds); torch DDP's bucket-view
+gradients on 2 real ranks. The theory (01.2) is checked against the ZeRO paper's worked example and
+closed forms (sharded kinds really 1/N, no rounding), offload's split and the invalid settings."""
 import pytest
 import torch
-import torch.nn as nn
 
 from zerolab import models
 from zerolab.grade.helpers import exercise_module
@@ -18,17 +25,8 @@ REFERENCE_MODULES = ["zerolab.memory", "zerolab.calculator"]
 REFERENCE_ALLOWED = ["zerolab.memory.PRECISIONS"]  # bytes per element, a table
 
 PSI, N = 7.5e9, 64
-
-
-def _ex():
-    return exercise_module("ex01_memory")
-
-
-def _expect(got, expected, what):
-    for key, want in expected.items():
-        assert key in got, f"{what}: no {key!r} in the result {got}"
-        assert got[key] == pytest.approx(want, rel=1e-12, abs=1e-9), (
-            f"{what}: {key} = {got[key]!r} bytes, expected {want!r}")
+MLP_TRAINABLE = (13 * 37 + 37) + (37 * 37 + 37) + (37 * 5 + 5)   # ToyMLP: inp, mid (used twice), out
+MLP_FROZEN = 37 * 37 + 37                                         # ToyMLP.frozen
 
 
 def gpt_numel(vocab=256, d=64, layers=2, seq=32):
@@ -37,74 +35,102 @@ def gpt_numel(vocab=256, d=64, layers=2, seq=32):
     return vocab * d + seq * d + layers * block + 2 * d, 4 + 12 * layers
 
 
-# ------------------------------------------------------------------------------------------ theory
-@pytest.mark.points(2)
-def test_paper_worked_example():
-    """derived: the ZeRO paper's 120, 31.4, 16.6, 1.88 GB"""
-    ex = _ex()
-    # ZeRO Fig. 1: Ψ = 7.5B, N = 64, mixed-precision Adam: 120, 31.4, 16.6, 1.88 GB (1e9 bytes).
-    for stage, gb, exact in [(0, 120.0, 120e9), (1, 31.4, 31.40625e9), (2, 16.6, 16.640625e9),
-                             (3, 1.88, 1.875e9)]:
-        got = ex.model_state_bytes(PSI, N, stage)
-        assert round(got["total"] / 1e9, 2 if stage == 3 else 1) == gb, (
-            f"stage {stage}: {got['total'] / 1e9:.4g} GB per rank, the paper says {gb} GB")
-        _expect(got, {"total": exact, "host": 0}, f"stage {stage}, Ψ=7.5e9, N=64")
+def _expect(got, expected, what):
+    for key, want in expected.items():
+        assert isinstance(got, dict) and key in got, f"{what}: no {key!r} in the result {got!r}"
+        assert got[key] == pytest.approx(want, rel=1e-12, abs=1e-9), (
+            f"{what}: {key} = {got[key]!r} bytes, expected {want!r} (by hand, from the shapes)")
 
 
-@pytest.mark.points(2)
-@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "fp32"])
-def test_each_stage_shards_one_more_kind(mixed):
-    """derived: each stage divides one more kind by N"""
-    ex = _ex()
-    b, k = (2, 12) if mixed else (4, 8)
-    for psi in (1000, 123_457):                   # 123457 is divisible by none of the N below
-        for n in (1, 2, 3, 8):
-            p = g = b * psi
-            table = {0: (p, g, k * psi), 1: (p, g, k * psi / n), 2: (p, g / n, k * psi / n),
-                     3: (p / n, g / n, k * psi / n)}
-            for stage, (params, grads, optim) in table.items():
-                _expect(ex.model_state_bytes(psi, n, stage, mixed_precision=mixed),
-                        {"params": params, "grads": grads, "optimizer": optim,
-                         "total": params + grads + optim, "host": 0},
-                        f"stage {stage}, Ψ={psi}, N={n}, {'mixed' if mixed else 'fp32'}")
-    total = ex.model_state_bytes(1000, 8, 0, mixed_precision=mixed)["total"]
-    assert total == 16_000, f"data parallelism holds 16 bytes/param either way, got {total / 1000}"
+# -- what the probes build (test code: runs in the probes, never the submission's) --------------------
+class ReleasingAdamW(torch.optim.AdamW):
+    """AdamW that releases each gradient once it has used it (as engines free their fp32 gradient
+    partitions in the step): after step() none of its parameters holds a .grad."""
+
+    def step(self, closure=None):
+        # AdamW's own update, unwrapped: torch wraps each optimizer class's step once (with the step
+        # hooks) when an instance is made, and calling the wrapped one would run the hooks twice
+        update = torch.optim.AdamW.step
+        update = update.__wrapped__ if getattr(update, "hooked", False) else update
+        out = update(self, closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+        return out
 
 
-@pytest.mark.points(2)
-def test_offload_moves_the_owned_states_to_the_host():
-    """derived: ZeRO-Offload's split between device and host"""
-    ex = _ex()
-    # ZeRO-Offload (arXiv 2101.06840): the device keeps 2-byte params (2Ψ on top of stage 2);
-    # grad shard + fp32 master + moments, (2 + 12)Ψ/N, live on the host.
-    _expect(ex.model_state_bytes(PSI, N, 2, offload=True),
-            {"params": 2 * PSI, "grads": 0, "optimizer": 0, "total": 2 * PSI, "host": 14 * PSI / N},
-            "stage 2 + offload")
-    _expect(ex.model_state_bytes(PSI, N, 3, offload=True),
-            {"params": 2 * PSI / N, "grads": 0, "optimizer": 0, "host": 14 * PSI / N}, "stage 3 + offload")
-    _expect(ex.model_state_bytes(PSI, N, 1, offload=True),
-            {"params": 2 * PSI, "grads": 2 * PSI, "optimizer": 0, "host": 14 * PSI / N}, "stage 1 + offload")
-    _expect(ex.model_state_bytes(800, 4, 2, mixed_precision=False, offload=True),
-            {"params": 3200, "total": 3200, "host": (4 + 8 + 4) * 200}, "fp32 stage 2 + offload")
-    for bad in (dict(stage=0, offload=True), dict(stage=4)):
-        with pytest.raises(ValueError):
-            ex.model_state_bytes(1000, 4, **{"offload": False, **bad})
+class FlatMomentum(torch.optim.Optimizer):
+    """SGD with momentum over flat buffers, as fused optimizers keep them: the parameters are views
+    into one flat buffer and their gradients views into another, and the optimizer keeps both flat
+    buffers in its state (beside its momentum, made at the first step)."""
+
+    def __init__(self, params, lr=0.01, momentum=0.9):
+        params = list(params)
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+        numel = sum(p.numel() for p in params)
+        flat_p = torch.empty(numel, dtype=params[0].dtype)
+        flat_g = torch.zeros(numel, dtype=params[0].dtype)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            flat_p[offset:offset + n].copy_(p.detach().reshape(-1))
+            p.data = flat_p[offset:offset + n].view_as(p)
+            p.grad = flat_g[offset:offset + n].view_as(p)
+            offset += n
+        self.state[params[0]].update(flat_params=flat_p, flat_grads=flat_g)
+        self._first = params[0]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        state = self.state[self._first]
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(state["flat_grads"])
+        group = self.param_groups[0]
+        state["momentum"].mul_(group["momentum"]).add_(state["flat_grads"])
+        state["flat_params"].add_(state["momentum"], alpha=-group["lr"])
 
 
-# ---------------------------------------------------------------------------------------- measured
-def _hooks_left(model, optimizer):
-    left = [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
-        left.append("the optimizer's step hooks")
-    return left
+def _hooks(model, optimizer):
+    """How many hooks (of each kind torch offers) the model, its parameters and the optimizer hold,
+    and whether a method of the optimizer was replaced on the instance."""
+    import torch.nn.modules.module as mm
+    import torch.optim.optimizer as oo
+    count = {}
+
+    def add(key, hooks):
+        count[key] = count.get(key, 0) + len(hooks or {})
+
+    for p in model.parameters():
+        add("parameter post-accumulate-grad hooks", getattr(p, "_post_accumulate_grad_hooks", None))
+        add("parameter gradient hooks", getattr(p, "_backward_hooks", None))
+    for m in model.modules():
+        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            add(f"module {attr}", getattr(m, attr, None))
+    add("optimizer step pre-hooks", optimizer._optimizer_step_pre_hooks)
+    add("optimizer step post-hooks", optimizer._optimizer_step_post_hooks)
+    for attr in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"):
+        add(f"global {attr}", getattr(oo, attr, None))
+    for attr in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks"):
+        add(f"global {attr}", getattr(mm, attr, None))
+    count["optimizer methods replaced on the instance"] = sum(
+        1 for name in ("step", "zero_grad") if name in vars(optimizer))
+    return count
 
 
-@pytest.mark.points(3)
-def test_peak_of_a_step_tied_weights_fp32_adam():
-    """peak during the step: grads released by zero_grad(set_to_none=True) still count"""
-    ex = _ex()
+def _measure(model, optimizer, run_step, times=1):
+    ex = exercise_module("ex01_memory")
+    before = _hooks(model, optimizer)
+    peaks = []
+    for _ in range(times):
+        got = ex.peak_model_states(model, optimizer, run_step)
+        peaks.append({k: (float(v) if isinstance(v, (int, float)) else repr(v)) for k, v in dict(got).items()})
+    return {"peaks": peaks, "hooks_before": before, "hooks_after": _hooks(model, optimizer)}
+
+
+# -- probes ----------------------------------------------------------------------------------------------
+def _probe_tied_adamw():
     model = models.build("gpt")
-    numel, tensors = gpt_numel()
     opt = torch.optim.AdamW(model.parameters())
     x, y = models.batch("gpt", model=model, batch_size=4)
 
@@ -113,48 +139,30 @@ def test_peak_of_a_step_tied_weights_fp32_adam():
         opt.step()
         opt.zero_grad(set_to_none=True)            # the gradients are gone when run_step returns
 
-    for attempt in (1, 2):                          # the second step starts with Adam's state
-        got = ex.peak_model_states(model, opt, run_step)
-        # 4 + 4 + 8 = 16 bytes/param, plus Adam's 4-byte `step` counter per parameter tensor, all held
-        # together right after optimizer.step(), before zero_grad.
-        _expect(got, {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors,
-                      "total": 16 * numel + 4 * tensors}, f"TinyGPT (tied weights), AdamW step {attempt}")
-        left = _hooks_left(model, opt)
-        assert not left, f"peak_model_states left hooks behind on {left[:4]}"
+    return _measure(model, opt, run_step, times=2)  # the second step starts with Adam's state
 
 
-@pytest.mark.points(3)
-def test_peak_with_fp32_masters():
-    """peak during the step: bf16 model, fp32 masters in the optimizer (mixed precision by hand)"""
-    ex = _ex()
+def _probe_masters():
     model = models.build("gpt", dtype=torch.bfloat16)
-    numel, tensors = gpt_numel()
     masters = [p.detach().float().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.AdamW(masters)
+    opt = ReleasingAdamW(masters)
     x, y = models.batch("gpt", model=model, batch_size=2)
 
     def run_step():
         model(x, y).backward()
         for m, p in zip(masters, model.parameters()):
-            m.grad = p.grad.float()
-        opt.step()
-        for m in masters:
-            m.grad = None
+            m.grad = p.grad.float()                 # fp32 gradients, for the update only
+        opt.step()                                  # uses them, then releases them
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
         model.zero_grad(set_to_none=True)
 
-    got = ex.peak_model_states(model, opt, run_step)
-    # bf16 grads (2) and fp32 master grads (4) together before the step; after it, the fp32 master (4)
-    # and two moments (8) too: 2 + 6 + 12 = 20 bytes/param at once, plus the step counters.
-    _expect(got, {"params": 2 * numel, "grads": 6 * numel, "optimizer": 12 * numel + 4 * tensors,
-                  "total": 20 * numel + 4 * tensors}, "bf16 TinyGPT with fp32 masters in AdamW")
+    return _measure(model, opt, run_step)
 
 
-@pytest.mark.points(2)
-def test_peak_frozen_layer_two_micro_batches():
-    """peak during the step: gradient accumulation (two backward passes), a frozen layer"""
-    ex = _ex()
+def _probe_frozen_micro_batches():
     mlp = models.build("mlp")
-    trainable, frozen = (13 * 37 + 37) + (37 * 37 + 37) + (37 * 5 + 5), 37 * 37 + 37
     opt = torch.optim.Adam(mlp.parameters())
 
     def run_step():
@@ -164,41 +172,218 @@ def test_peak_frozen_layer_two_micro_batches():
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    got = ex.peak_model_states(mlp, opt, run_step)
-    _expect(got, {"params": 4 * (trainable + frozen), "grads": 4 * trainable, "optimizer": 8 * trainable + 4 * 6,
-                  "total": 4 * (trainable + frozen) + 12 * trainable + 4 * 6},
-            "ToyMLP (a frozen layer: no grad, no Adam state), two micro-batches")
+    return _measure(mlp, opt, run_step)
 
 
-def check_ddp_replicates():
-    """On each rank: torch DDP (grads are views into DDP's bucket buffers) + AdamW, one step;
-    every rank must hold the full 16 bytes/param: plain data parallelism replicates."""
+def _probe_skipped_step():
+    model = models.build("gpt")
+    opt = torch.optim.AdamW(model.parameters())
+    x, y = models.batch("gpt", model=model, batch_size=4)
+    model(x, y).backward()                           # one ordinary step first: Adam's state exists
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    def run_step():                                  # a loss scaler found an overflow: no step
+        model(x, y).backward()
+        opt.zero_grad(set_to_none=True)
+
+    return _measure(model, opt, run_step)
+
+
+def _probe_shared_storages():
+    mlp = models.build("mlp")
+    opt = FlatMomentum([p for p in mlp.parameters() if p.requires_grad])
+
+    def run_step():
+        x, y = models.batch("mlp", seed=3, batch_size=4)
+        mlp(x, y).backward()                         # accumulates into the flat gradient buffer
+        opt.step()
+        mlp.zero_grad(set_to_none=False)             # zeroed in place: the views stay
+
+    return _measure(mlp, opt, run_step)
+
+
+def _probe_ddp():
+    """On each rank: torch DDP (grads are views into DDP's bucket buffers) + AdamW, one step."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ex = exercise_module("ex01_memory")
-    rank, n = dist.get_rank(), dist.get_world_size()
     model = models.build("gpt")
-    numel, tensors = gpt_numel()
     ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
     opt = torch.optim.AdamW(model.parameters())
-    x, y = models.batch("gpt", seed=rank, model=model, batch_size=4)
+    x, y = models.batch("gpt", seed=dist.get_rank(), model=model, batch_size=4)
 
     def run_step():
         ddp(x, y).backward()
         opt.step()
-        opt.zero_grad(set_to_none=False)    # the gradients stay views into DDP's buckets
+        opt.zero_grad(set_to_none=False)            # the gradients stay views into DDP's buckets
 
     run_step()                     # DDP rebuilds its buckets after the first iteration: measure the next
-    got = ex.peak_model_states(model, opt, run_step)
-    _expect(got, {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors,
-                  "total": 16 * numel + 4 * tensors}, f"rank {rank}: DDP model states at their peak")
-    theory = ex.model_state_bytes(numel, n, 0, mixed_precision=False)["total"]
-    assert got["total"] - 4 * tensors == theory == 16 * numel, (
-        f"rank {rank}: measured {got['total'] - 4 * tensors} bytes of model states at the peak (without step "
-        f"counters), theory for DP {theory}; both must be the full 16 x {numel} on every rank")
+    return _measure(model, opt, run_step)
+
+
+def _probe_formulas(calls):
+    """model_state_bytes(*args, **kwargs) for each call: the dict it returned, or what it raised."""
+    ex = exercise_module("ex01_memory")
+    out = []
+    for args, kwargs in calls:
+        try:
+            got = ex.model_state_bytes(*args, **kwargs)
+        except NotImplementedError:
+            raise                                     # not written yet: the rank's own failure
+        except Exception as exc:                      # reported; the verdict is the test's
+            out.append({"raised": type(exc).__name__, "message": str(exc)[:300]})
+            continue
+        out.append({k: (float(v) if isinstance(v, (int, float)) else repr(v)) for k, v in dict(got).items()})
+    return out
+
+
+# -- checks, here ------------------------------------------------------------------------------------
+def _check_hooks(got, what):
+    left = {k: v - got["hooks_before"].get(k, 0) for k, v in got["hooks_after"].items()
+            if v != got["hooks_before"].get(k, 0)}
+    assert not left, (f"{what}: peak_model_states left behind {left}: after it returns, the model and the "
+                      f"optimizer must behave as before (remove what you attached, restore what you replaced)")
+
+
+def _formulas(student, calls):
+    return student.run(_probe_formulas, calls)
+
+
+# ------------------------------------------------------------------------------------------ theory
+@pytest.mark.points(2)
+def test_paper_worked_example(student):
+    """derived: the ZeRO paper's 120, 31.4, 16.6, 1.88 GB"""
+    # ZeRO Fig. 1: Ψ = 7.5B, N = 64, mixed-precision Adam: 120, 31.4, 16.6, 1.88 GB (1e9 bytes).
+    cases = [(0, 120.0, 120e9), (1, 31.4, 31.40625e9), (2, 16.6, 16.640625e9), (3, 1.88, 1.875e9)]
+    rows = _formulas(student, [((PSI, N, stage), {}) for stage, _, _ in cases])
+    for (stage, gb, exact), got in zip(cases, rows):
+        assert "raised" not in got, f"stage {stage}: model_state_bytes raised {got.get('raised')}: {got.get('message')}"
+        assert round(got["total"] / 1e9, 2 if stage == 3 else 1) == gb, (
+            f"stage {stage}: {got['total'] / 1e9:.4g} GB per rank, the paper says {gb} GB")
+        _expect(got, {"total": exact, "host": 0}, f"stage {stage}, Ψ=7.5e9, N=64")
 
 
 @pytest.mark.points(2)
-def test_data_parallel_replicates_on_real_ranks(on_ranks):
-    """peak during the step on 2 real ranks: DDP holds everything on every rank"""
-    on_ranks(2, check_ddp_replicates)
+@pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "fp32"])
+def test_each_stage_shards_one_more_kind(student, mixed):
+    """derived: each stage divides one more kind by N"""
+    b, k = (2, 12) if mixed else (4, 8)
+    cases, calls = [], []
+    for psi in (1000, 123_457):                   # 123457 is divisible by none of the N below
+        for n in (1, 2, 3, 8):
+            p = g = b * psi
+            table = {0: (p, g, k * psi), 1: (p, g, k * psi / n), 2: (p, g / n, k * psi / n),
+                     3: (p / n, g / n, k * psi / n)}
+            for stage, (params, grads, optim) in table.items():
+                cases.append((f"stage {stage}, Ψ={psi}, N={n}, {'mixed' if mixed else 'fp32'}",
+                              {"params": params, "grads": grads, "optimizer": optim,
+                               "total": params + grads + optim, "host": 0}))
+                calls.append(((psi, n, stage), {"mixed_precision": mixed}))
+    calls.append(((1000, 8, 0), {"mixed_precision": mixed}))
+    rows = _formulas(student, calls)
+    for (what, want), got in zip(cases, rows):
+        assert "raised" not in got, f"{what}: model_state_bytes raised {got.get('raised')}: {got.get('message')}"
+        _expect(got, want, what)
+    assert rows[-1]["total"] == 16_000, f"data parallelism holds 16 bytes/param either way, got {rows[-1]['total'] / 1000}"
+
+
+@pytest.mark.points(2)
+def test_offload_moves_the_owned_states_to_the_host(student):
+    """derived: ZeRO-Offload's split between device and host; invalid settings refused"""
+    # ZeRO-Offload (arXiv 2101.06840): the device keeps 2-byte params (2Ψ on top of stage 2);
+    # grad shard + fp32 master + moments, (2 + 12)Ψ/N, live on the host.
+    cases = [
+        (((PSI, N, 2), {"offload": True}), "stage 2 + offload",
+         {"params": 2 * PSI, "grads": 0, "optimizer": 0, "total": 2 * PSI, "host": 14 * PSI / N}),
+        (((PSI, N, 3), {"offload": True}), "stage 3 + offload",
+         {"params": 2 * PSI / N, "grads": 0, "optimizer": 0, "host": 14 * PSI / N}),
+        (((PSI, N, 1), {"offload": True}), "stage 1 + offload",
+         {"params": 2 * PSI, "grads": 2 * PSI, "optimizer": 0, "host": 14 * PSI / N}),
+        (((800, 4, 2), {"mixed_precision": False, "offload": True}), "fp32 stage 2 + offload",
+         {"params": 3200, "total": 3200, "host": (4 + 8 + 4) * 200}),
+    ]
+    bad = [((1000, 4, 0), {"offload": True}), ((1000, 4, 4), {"offload": False}),
+           ((1000, 4, -1), {"offload": False})]
+    rows = _formulas(student, [call for call, _, _ in cases] + bad)
+    for (_, what, want), got in zip(cases, rows):
+        assert "raised" not in got, f"{what}: model_state_bytes raised {got.get('raised')}: {got.get('message')}"
+        _expect(got, want, what)
+    for (args, kwargs), got in zip(bad, rows[len(cases):]):
+        assert got.get("raised") == "ValueError", (
+            f"model_state_bytes{args} with {kwargs}: expected a ValueError naming the setting, got {got!r}")
+
+
+# ---------------------------------------------------------------------------------------- measured
+@pytest.mark.points(3)
+def test_peak_of_a_step_tied_weights_fp32_adam(student):
+    """peak during the step: grads released by zero_grad(set_to_none=True) still count; tied weights once;
+    nothing left behind"""
+    numel, tensors = gpt_numel()
+    got = student.run(_probe_tied_adamw)
+    for attempt, peaks in enumerate(got["peaks"], 1):
+        # 4 + 4 + 8 = 16 bytes/param, plus Adam's 4-byte `step` counter per parameter tensor, all held
+        # together right after optimizer.step(), before zero_grad.
+        _expect(peaks, {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors,
+                        "total": 16 * numel + 4 * tensors}, f"TinyGPT (tied weights), AdamW step {attempt}")
+    _check_hooks(got, "TinyGPT with AdamW")
+
+
+@pytest.mark.points(3)
+def test_peak_with_fp32_masters(student):
+    """peak during the step: bf16 model, fp32 masters whose gradients the optimizer releases; the peak of
+    the sum is not the sum of the peaks"""
+    numel, tensors = gpt_numel()
+    got = student.run(_probe_masters)
+    # Right before the step: bf16 grads (2) and fp32 master grads (4) together: grads peak at 6 bytes/param.
+    # Right after it: the master grads are gone, the master (4) and two moments (8) are there, and the
+    # bf16 grads (2): 2 + 2 + 12 = 16 bytes/param at once (plus the step counters), not 2 + 6 + 12.
+    _expect(got["peaks"][0], {"params": 2 * numel, "grads": 6 * numel, "optimizer": 12 * numel + 4 * tensors,
+                              "total": 16 * numel + 4 * tensors},
+            "bf16 TinyGPT, fp32 masters in an AdamW that releases their gradients")
+    _check_hooks(got, "bf16 TinyGPT with fp32 masters")
+
+
+@pytest.mark.points(2)
+def test_peak_frozen_layer_two_micro_batches(student):
+    """peak during the step: gradient accumulation (two backward passes), a frozen layer"""
+    got = student.run(_probe_frozen_micro_batches)
+    tr, fr = MLP_TRAINABLE, MLP_FROZEN
+    _expect(got["peaks"][0], {"params": 4 * (tr + fr), "grads": 4 * tr, "optimizer": 8 * tr + 4 * 6,
+                              "total": 4 * (tr + fr) + 12 * tr + 4 * 6},
+            "ToyMLP (a frozen layer: no grad, no Adam state), two micro-batches")
+
+
+@pytest.mark.points(2)
+def test_peak_of_a_skipped_step(student):
+    """peak during the step: gradients released before any optimizer step (an overflow skips it)"""
+    numel, tensors = gpt_numel()
+    got = student.run(_probe_skipped_step)
+    # The gradients exist only while backward runs and until zero_grad: every one of them, the last
+    # one autograd writes included, together with the parameters and Adam's state of the earlier step.
+    _expect(got["peaks"][0], {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors,
+                              "total": 16 * numel + 4 * tensors}, "TinyGPT, a step skipped after backward")
+    _check_hooks(got, "a skipped step")
+
+
+@pytest.mark.points(2)
+def test_storage_shared_by_two_kinds(student):
+    """each storage once, under its first kind: parameters and gradients are views into flat buffers
+    that the optimizer keeps too"""
+    got = student.run(_probe_shared_storages)
+    tr, fr = MLP_TRAINABLE, MLP_FROZEN
+    # params: the flat buffer (trainable) + the frozen layer; grads: the flat gradient buffer; optimizer:
+    # only its momentum (the two flat buffers it also holds were counted already, as params and grads).
+    _expect(got["peaks"][0], {"params": 4 * (tr + fr), "grads": 4 * tr, "optimizer": 4 * tr,
+                              "total": 4 * (tr + fr) + 8 * tr},
+            "ToyMLP over flat buffers the optimizer shares")
+
+
+@pytest.mark.points(2)
+def test_data_parallel_replicates_on_real_ranks(student):
+    """peak during the step on 2 real ranks: DDP's bucket-view gradients, everything on every rank"""
+    numel, tensors = gpt_numel()
+    for rank, got in enumerate(student.on_ranks(2, _probe_ddp)):
+        _expect(got["peaks"][0], {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel + 4 * tensors,
+                                  "total": 16 * numel + 4 * tensors},
+                f"rank {rank}: DDP model states at their peak (the full 16 bytes/param on every rank)")
+        _check_hooks(got, f"rank {rank}, DDP")

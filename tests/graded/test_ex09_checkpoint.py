@@ -1,11 +1,12 @@
-"""Graded: exercise 09, loading a sharded checkpoint into another world size. assemble and
-load_shard are checked against a brute-force element-by-element map of the padded flat layout
-(written here) with pieces saved by M ranks and loaded by N; validation (gaps, overlaps, bad pieces
-raise ValueError; pieces this rank does not need are not its business); the memory load_shard
-allocates, measured by torch's profiler; and the bytes a real load reads, against the grader's own
-measurement on 2 ranks."""
+"""Graded: exercise 09, loading a sharded checkpoint into another world size. The submission runs
+only inside probes (its own processes); every verdict is decided here, on the plain data they
+return. assemble and load_shard are checked against a brute-force element-by-element map of the
+padded flat layout (written here) with pieces saved by M ranks and loaded by N; validation (gaps,
+overlaps, truncated pieces and pieces outside their parameter's range raise ValueError; pieces this
+rank does not need are not its business); the memory load_shard allocates, measured by torch's
+profiler; and the bytes a real load reads, against the grader's own measurement of the same load
+on 2 ranks that never import the submission."""
 import random
-import tempfile
 
 import pytest
 import torch
@@ -20,6 +21,89 @@ REFERENCE_ALLOWED = []
 LAYOUTS = [[5], [3, 4], [7, 1, 9, 2], [1, 1, 1], [10, 10, 10, 10], [13, 37, 5, 1]]
 
 
+# -- probes: run the submission, return what it did (never a verdict) ------------------------------
+def _results(function, calls):
+    """``function`` of the exercise on each argument tuple of ``calls``: per call, {"value": what it
+    returned} or {"raised": the exception's class and its bases, "message": ...}."""
+    ex = exercise_module("ex09_checkpoint")
+    out = []
+    for args in calls:
+        try:
+            out.append({"value": getattr(ex, function)(*args)})
+        except NotImplementedError:
+            raise                  # an unfinished exercise: the test fails with the stub's message
+        except Exception as exc:   # the verdict (should it have raised? what?) is the test's
+            out.append({"raised": [c.__name__ for c in type(exc).__mro__], "message": str(exc)})
+    return out
+
+
+def _load_shard_memory(numels, pieces, world_size):
+    """Each rank's shard and the peak bytes torch's profiler saw load_shard allocate for it."""
+    from zerolab.memory import allocation_trace
+    ex = exercise_module("ex09_checkpoint")
+    out = []
+    for r in range(world_size):
+        with allocation_trace() as trace:
+            got = ex.load_shard(numels, pieces, world_size, r)
+        out.append({"shard": got.clone(), "peak": int(trace["peak"])})
+        del got
+    return out
+
+
+def _engine_with_checkpoint():
+    """A stage-3 engine after one step, its checkpoint saved in a fresh folder, loaded once (warm:
+    imports, first-call paths). Run by the student's ranks and by the grader's alike."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import zerolab
+    from zerolab import models
+    model = models.build("gpt", seed=0, dtype=torch.float64)
+    engine = zerolab.initialize(model, stage=3, lr=1e-2)
+    engine.backward(engine(*models.batch("gpt", seed=dist.get_rank(), batch_size=2, model=model)))
+    engine.step()
+    folder = [tempfile.mkdtemp(prefix="ex09-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)              # one checkpoint: rank 0 names the folder
+    path = f"{folder[0]}/ckpt"
+    engine.save_checkpoint(path)
+    engine.load_checkpoint(path)
+    return engine, path, folder[0]
+
+
+def _bytes_read_by_student():
+    import shutil
+    ex = exercise_module("ex09_checkpoint")
+    engine, path, folder = _engine_with_checkpoint()
+    try:
+        return ex.bytes_read(lambda: engine.load_checkpoint(path))
+    finally:
+        import torch.distributed as dist
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _bytes_read_by_grader():
+    """The grader's measurement (trusted ranks): the kernel's count of bytes read by one load."""
+    import shutil
+
+    import torch.distributed as dist
+
+    def rchar():
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    engine, path, folder = _engine_with_checkpoint()
+    before = rchar()
+    engine.load_checkpoint(path)
+    read = rchar() - before
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return read
+
+
+# -- references, computed here ----------------------------------------------------------------------
 def brute_force(numels, world_size, rank):
     """Every element's (parameter, element) position, run-length grouped: the ranges rank owns."""
     flat = [(i, e) for i, n in enumerate(numels) for e in range(n)]
@@ -34,28 +118,6 @@ def brute_force(numels, world_size, rank):
         else:
             out.append([i, e, e + 1, pos - rank * shard])
     return [tuple(r) for r in out]
-
-
-@pytest.mark.points(2)
-def test_assemble_puts_pieces_together_and_refuses_gaps_and_overlaps():
-    ex = exercise_module("ex09_checkpoint")
-    rng = random.Random(0)
-    full = torch.arange(50, dtype=torch.float64) * 0.5
-    cuts = sorted(rng.sample(range(1, 50), 7))
-    pieces = [(lo, hi, full[lo:hi].clone()) for lo, hi in zip([0] + cuts, cuts + [50])]
-    rng.shuffle(pieces)
-    got = ex.assemble(50, pieces)
-    assert torch.equal(got, full), "assemble: the pieces, put back, do not give the parameter"
-    with pytest.raises(ValueError):
-        ex.assemble(50, pieces[1:])                             # a gap: a missing file's part
-    with pytest.raises(ValueError):
-        ex.assemble(50, pieces + [(3, 5, full[3:5].clone())])   # an overlap: two saves mixed
-    with pytest.raises(ValueError):
-        ex.assemble(50, [(0, 50, full[:49])])                   # a truncated piece
-    with pytest.raises(ValueError):      # overlap [25, 30) and gap [40, 45): sizes still add up to 50
-        ex.assemble(50, [(0, 30, full[:30]), (25, 40, full[25:40]), (45, 50, full[45:])])
-
-
 
 
 def saved_pieces(params, old_world_size):
@@ -75,58 +137,114 @@ def expected_shard(params, world_size, rank):
     return padded[rank * s:(rank + 1) * s]
 
 
+def _raised_value_error(result, what):
+    assert "raised" in result, f"{what}: accepted (returned a result); a checkpoint must never load in part"
+    assert "ValueError" in result["raised"], (
+        f"{what}: raised {result['raised'][0]} ({result['message'][:200]}); expected a ValueError naming the "
+        f"problem")
+
+
+def _returned(result, what):
+    assert "value" in result, f"{what}: raised {result['raised'][0]}: {result['message'][:300]}"
+    return result["value"]
+
+
+# -- the graded tests --------------------------------------------------------------------------------
+@pytest.mark.points(2)
+def test_assemble_puts_pieces_together_and_refuses_gaps_and_overlaps(student):
+    """assemble: the pieces put back together; a gap, an overlap, a bad piece raise ValueError"""
+    rng = random.Random(0)
+    full = torch.arange(50, dtype=torch.float64) * 0.5
+    cuts = sorted(rng.sample(range(1, 50), 7))
+    pieces = [(lo, hi, full[lo:hi].clone()) for lo, hi in zip([0] + cuts, cuts + [50])]
+    rng.shuffle(pieces)
+    first = [p for p in pieces if p[0] == 0][0]
+    rest = [p for p in pieces if p[0] != 0]
+    bad = {
+        "a gap (a missing file's part)": pieces[1:],
+        "an overlap (two saves mixed)": pieces + [(3, 5, full[3:5].clone())],
+        "a truncated piece": [(0, 50, full[:49].clone())],
+        "an overlap and a gap whose sizes still add up": [(0, 30, full[:30].clone()), (25, 40, full[25:40].clone()),
+                                                          (45, 50, full[45:].clone())],
+        "a piece past the parameter's end": [(0, 45, full[:45].clone()),
+                                             (45, 55, torch.cat([full[45:], full[:5]]).clone())],
+        "a piece starting before element 0": [(-5, 5, torch.cat([full[45:], full[:5]]).clone()), (5, 50, full[5:].clone())],
+        "a reversed range": [(5, 0, full[:5].clone())] + rest + [first],
+    }
+    calls = [(50, pieces)] + [(50, b) for b in bad.values()]
+    results = student.run(_results, "assemble", calls)
+    got = _returned(results[0], "assemble(50, 8 shuffled pieces)")
+    assert torch.is_tensor(got) and torch.equal(got, full), (
+        "assemble: the pieces, put back, do not give the parameter")
+    for (what, _), result in zip(bad.items(), results[1:]):
+        _raised_value_error(result, f"assemble with {what}")
+
+
 @pytest.mark.points(3)
-def test_load_shard_reshards_m_ranks_into_n():
+def test_load_shard_reshards_m_ranks_into_n(student):
     """values: every new rank's shard from pieces saved by another number of ranks"""
-    ex = exercise_module("ex09_checkpoint")
     torch.manual_seed(0)
+    cases, wants = [], []
     for numels in LAYOUTS:
         params = [torch.randn(n, dtype=torch.float64) for n in numels]
         for old in (1, 3, 4):
             pieces = saved_pieces(params, old)
-            for rng in (random.Random(old),):
-                for ps in pieces.values():
-                    rng.shuffle(ps)
+            rng = random.Random(old)
+            for ps in pieces.values():
+                rng.shuffle(ps)                                  # any order, as files are listed
             for new in (1, 2, 3, 5):
                 for r in range(new):
-                    got = ex.load_shard(numels, pieces, new, r)
-                    want = expected_shard(params, new, r)
-                    assert torch.equal(got, want), (f"load_shard({numels}, pieces of {old} ranks, world_size={new}, "
-                                                    f"rank={r}): got {got.tolist()}, expected {want.tolist()}")
+                    cases.append((numels, pieces, new, r))
+                    wants.append((old, expected_shard(params, new, r)))
+    results = student.run(_results, "load_shard", cases)
+    for (numels, _, new, r), (old, want), result in zip(cases, wants, results):
+        what = f"load_shard({numels}, pieces of {old} ranks, world_size={new}, rank={r})"
+        got = _returned(result, what)
+        assert torch.is_tensor(got) and got.dtype == want.dtype and torch.equal(got, want), (
+            f"{what}: got {got.tolist() if torch.is_tensor(got) else got!r}, expected {want.tolist()} "
+            f"(the padded flat buffer's slice, padding zero)")
 
 
 @pytest.mark.points(2)
-def test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need():
-    """validation: gaps, overlaps and bad pieces in this rank's shard raise ValueError"""
-    ex = exercise_module("ex09_checkpoint")
+def test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need(student):
+    """validation: gaps, overlaps, bad pieces in this rank's shard raise ValueError; others' pieces are not its business"""
     torch.manual_seed(1)
     numels = [13, 37, 5, 1]
     params = [torch.randn(n, dtype=torch.float64) for n in numels]
     pieces = saved_pieces(params, 4)
-    # rank 0 of 2 owns elements [0, 28): parameter 0 and the first 15 elements of parameter 1
-    gap = {**pieces, 1: [p for p in pieces[1] if p[0] != 0]}
-    overlap = {**pieces, 0: pieces[0] + [(2, 4, params[0][2:4].clone())]}
-    short = {**pieces, 1: [(lo, hi, v[:-1]) if lo == 0 else (lo, hi, v) for lo, hi, v in pieces[1]]}
-    for what, bad in (("a gap", gap), ("an overlap", overlap), ("a truncated piece", short)):
-        with pytest.raises(ValueError):
-            ex.load_shard(numels, bad, 2, 0)
-            raise AssertionError(f"load_shard accepted {what} in the shard it builds")
-    # rank 1 of 2 owns [28, 56): a gap in parameter 0's pieces is not its concern
-    elsewhere = {**pieces, 0: pieces[0][:1]}
-    got = ex.load_shard(numels, elsewhere, 2, 1)
-    assert torch.equal(got, expected_shard(params, 2, 1)), "rank 1's shard with parameter 0 incomplete (not its part)"
-    # rank 0 owns parameter 1's elements [0, 15) only: the pieces past them may be missing
-    mine = {**pieces, 1: [p for p in pieces[1] if p[0] < 15]}
-    got = ex.load_shard(numels, mine, 2, 0)
-    assert torch.equal(got, expected_shard(params, 2, 0)), ("rank 0's shard when the pieces of parameter 1 "
-                                                            "past its part are missing (not its part)")
+    # rank 0 of 2 owns elements [0, 28): parameter 0 and elements [0, 15) of parameter 1;
+    # rank 1 of 2 owns [28, 56): parameter 1's elements [15, 37), parameters 2 and 3, and padding
+    p1 = params[1]
+    bad = {   # what, (pieces, rank)
+        "a gap in its part": ({**pieces, 1: [p for p in pieces[1] if p[0] != 0]}, 0),
+        "an overlap in its part": ({**pieces, 0: pieces[0] + [(2, 4, params[0][2:4].clone())]}, 0),
+        "a truncated piece": ({**pieces, 1: [(lo, hi, v[:-1]) if lo == 0 else (lo, hi, v)
+                                             for lo, hi, v in pieces[1]]}, 0),
+        "a piece of parameter 1 reaching past its 37 elements (its overlap with the shard fits)":
+            ({**pieces, 1: [(0, 15, p1[:15].clone()), (15, 30, p1[15:30].clone()),
+                            (30, 45, torch.cat([p1[30:], p1[:8]]).clone())]}, 1),
+        "a piece of parameter 2 starting before its element 0":
+            ({**pieces, 2: [(-3, 5, torch.cat([params[2][2:], params[2]]).clone())]}, 1),
+    }
+    fine = {   # what, (pieces, rank): a part this rank does not own may be missing or broken
+        "rank 1, with parameter 0's pieces incomplete": ({**pieces, 0: pieces[0][:1]}, 1),
+        "rank 0, with parameter 1's pieces past element 15 missing":
+            ({**pieces, 1: [p for p in pieces[1] if p[0] < 15]}, 0),
+        "rank 0, with parameter 3's piece broken": ({**pieces, 3: [(0, 2, params[3].repeat(2))]}, 0),
+    }
+    calls = [(numels, ps, 2, r) for ps, r in list(bad.values()) + list(fine.values())]
+    results = student.run(_results, "load_shard", calls)
+    for what, result in zip(bad, results):
+        _raised_value_error(result, f"load_shard(rank {dict(bad)[what][1]} of 2) with {what}")
+    for (what, (_, r)), result in zip(fine.items(), results[len(bad):]):
+        got = _returned(result, f"load_shard: {what} (not its part)")
+        want = expected_shard(params, 2, r)
+        assert torch.is_tensor(got) and torch.equal(got, want), f"load_shard: {what} (not its part): wrong values"
 
 
 @pytest.mark.points(3)
-def test_load_shard_memory():
+def test_load_shard_memory(student):
     """memory: no whole parameter, no whole model: about two shards and a piece, measured"""
-    from zerolab.memory import allocation_trace
-    ex = exercise_module("ex09_checkpoint")
     torch.manual_seed(2)
     numels = [200_000, 300_000, 100_000]                    # float32: 2.4 MB in all
     params = [torch.randn(n) for n in numels]
@@ -135,47 +253,24 @@ def test_load_shard_memory():
     new = 8
     shard_bytes = -(-sum(numels) // new) * 4                # 300 kB
     bound = 2 * shard_bytes + largest + 16384
-    for r in range(new):
-        with allocation_trace() as trace:
-            got = ex.load_shard(numels, pieces, new, r)
-        assert torch.equal(got, expected_shard(params, new, r)), f"load_shard: rank {r} of {new}: wrong values"
-        del got
-        assert trace["peak"] <= bound, (
-            f"load_shard for rank {r} of {new} allocated up to {trace['peak']} bytes (profiler); its shard is "
+    for r, got in enumerate(student.run(_load_shard_memory, numels, pieces, new)):
+        assert torch.equal(got["shard"], expected_shard(params, new, r)), f"load_shard: rank {r} of {new}: wrong values"
+        assert got["peak"] <= bound, (
+            f"load_shard for rank {r} of {new} allocated up to {got['peak']} bytes (profiler); its shard is "
             f"{shard_bytes} bytes, the largest piece {largest}: build the shard from the pieces' overlaps "
             f"(at most {bound}), never a whole parameter ({max(numels) * 4} bytes) or the model ({sum(numels) * 4})")
 
 
-def checkpoint_reads(path):
-    import torch.distributed as dist
-
-    import zerolab
-    from zerolab import models
-    ex = exercise_module("ex09_checkpoint")
-    model = models.build("gpt", seed=0, dtype=torch.float64)
-    engine = zerolab.initialize(model, stage=3, lr=1e-2)
-    engine.backward(engine(*models.batch("gpt", seed=dist.get_rank(), batch_size=2, model=model)))
-    engine.step()
-    engine.save_checkpoint(path)
-    engine.load_checkpoint(path)                            # warm: imports, first-call paths
-
-    def rchar():
-        with open("/proc/self/io") as f:
-            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
-    theirs = ex.bytes_read(lambda: engine.load_checkpoint(path))
-    before = rchar()
-    engine.load_checkpoint(path)
-    return theirs, rchar() - before
-
-
 @pytest.mark.points(2)
-def test_bytes_read_measured(on_ranks):
+def test_bytes_read_measured(student, clusters):
     """measured: the bytes one rank reads to load a checkpoint"""
     import os
     if not os.path.exists("/proc/self/io"):
         pytest.skip("no per-process read counter here (/proc/self/io)")
-    with tempfile.TemporaryDirectory() as tmp:
-        for rank, (theirs, ours) in enumerate(on_ranks(2, checkpoint_reads, os.path.join(tmp, "ckpt"))):
-            assert theirs == pytest.approx(ours, rel=0.1, abs=65536), (
-                f"rank {rank}: bytes_read = {theirs!r}; the grader measured {ours} bytes read by the same load "
-                f"(the kernel's counter)")
+    theirs = student.on_ranks(2, _bytes_read_by_student)
+    ours = clusters(2).run(_bytes_read_by_grader)
+    for rank, (t, o) in enumerate(zip(theirs, ours)):
+        assert isinstance(t, (int, float)) and not isinstance(t, bool), f"rank {rank}: bytes_read returned {t!r}"
+        assert t == pytest.approx(o, rel=0.1, abs=65536), (
+            f"rank {rank}: bytes_read = {t!r}; the grader measured {o} bytes read by the same load "
+            f"(the kernel's counter, on ranks of its own)")

@@ -157,9 +157,14 @@ def main(argv=None):
     ap.add_argument("--rank-timeout", type=float, default=None,
                     help=f"seconds per run on the ranks (sets ZEROLAB_TEST_TIMEOUT; default "
                          f"{RANK_TIMEOUT:g} or half the test timeout if less); must be below --test-timeout")
+    ap.add_argument("--no-sandbox", action="store_true",
+                    help="grade without the sandbox (zerolab.grade.sandbox), trusting the submissions; "
+                         "--csv and --gradescope otherwise refuse to grade on a machine without it")
     args = ap.parse_args(argv)
+    instructor = bool(args.csv or args.gradescope)
     options = dict(test_timeout=args.test_timeout, rank_timeout=args.rank_timeout,
-                   budget=args.budget, tests=args.tests)
+                   budget=args.budget, tests=args.tests,
+                   sandbox="off" if args.no_sandbox else "required" if instructor else "auto")
 
     if args.csv:
         if args.path is None:

@@ -31,7 +31,10 @@ import threading
 import time
 
 from zerolab.grade.checkout import exercise_name, graded_dir
+from zerolab.grade.helpers import SANDBOX, TRUSTED_PID
 from zerolab.grade.references import REFUSED, declaration, static_check
+from zerolab.grade.sandbox import SandboxUnavailable, mode, unavailable_reason
+from zerolab.grade.tree import PACKAGE, make_tree
 
 TEST_TIMEOUT = 240.0  # seconds per graded test, the ranks' start-up included
 RANK_TIMEOUT = 30.0   # default seconds per run on the ranks (at most half the test's limit): the
@@ -39,7 +42,7 @@ RANK_TIMEOUT = 30.0   # default seconds per run on the ranks (at most half the t
 BUDGET_PER_EXERCISE = 240.0  # default budget, per exercise graded: room for one function that deadlocks
                              # at every world size (3 hangs) and the rest; the ten solutions take 36-80 s
 OUTPUT_TAIL = 20_000  # characters of the child's output kept: a submission may print megabytes
-PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # the zerolab package the child imports
+SANDBOX_MODES = ("auto", "required", "off")
 
 
 def _options(test_timeout, rank_timeout, budget, exercises):
@@ -112,10 +115,10 @@ class _Tail(threading.Thread):
         return self.data.decode(errors="replace")
 
 
-def _kill_all(proc, tag):
-    """Kill the child and every process it started: its descendants, and any process whose
-    environment carries this grading's tag (the ranks run in sessions of their own, and a child
-    that died has left them orphaned)."""
+def _kill_all(proc, tag, uid=None):
+    """Kill the child and every process it started: its descendants, any process whose environment
+    carries this grading's tag (the ranks run in sessions of their own, and a child that died has
+    left them orphaned), and any process of the submission's own user id (``uid``, as root)."""
     import psutil
     try:
         family = psutil.Process(proc.pid).children(recursive=True)
@@ -125,7 +128,8 @@ def _kill_all(proc, tag):
     proc.wait()
     for p in psutil.process_iter():
         try:
-            if p not in family and p.environ().get("ZEROLAB_GRADE_TAG") == tag:
+            if p not in family and (p.environ().get("ZEROLAB_GRADE_TAG") == tag or
+                                    (uid is not None and p.uids().real == uid)):
                 family.append(p)
         except psutil.Error:
             pass
@@ -137,11 +141,13 @@ def _kill_all(proc, tag):
     psutil.wait_procs(family, timeout=10)
 
 
-def _child_env(impl, rank_timeout, tmp, tag):
+def _child_env(impl, rank_timeout, tmp, tag, marks, spec):
     env = dict(os.environ, ZEROLAB_IMPL=str(impl), ZEROLAB_TEST_TIMEOUT=f"{rank_timeout:g}",
-               ZEROLAB_IMPORT_MARKS=str(tmp / "marks"), ZEROLAB_GRADE_TAG=tag)
-    for key in ("PYTEST_CURRENT_TEST", "ZEROLAB_REFERENCES", "PYTEST_ADDOPTS"):
+               ZEROLAB_IMPORT_MARKS=str(marks), ZEROLAB_GRADE_TAG=tag)
+    for key in ("PYTEST_CURRENT_TEST", "ZEROLAB_REFERENCES", "PYTEST_ADDOPTS", SANDBOX, TRUSTED_PID):
         env.pop(key, None)
+    if spec is not None:
+        env[SANDBOX] = str(spec)  # the submission's ranks run in the sandbox (helpers.isolation)
     # The zerolab package through a folder that holds only it: the child drops from sys.path every
     # folder that holds a solutions/ (the checkout), and still imports zerolab.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp / "sys_path"), env.get("PYTHONPATH")) if p)
@@ -190,11 +196,51 @@ def _failed(message, output=""):
     return {"outcome": "failed", "message": message, "output": output}
 
 
+def sandbox_mode(sandbox):
+    """(the sandbox's mode or None, why it is not the full sandbox or None) for ``sandbox`` in
+    'auto', 'required', 'off'. Modes: "namespaces" (zerolab.grade.sandbox), "user" (root without
+    namespaces: the submission's own user id only). ValueError for another value;
+    :class:`SandboxUnavailable` when required and impossible."""
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"sandbox={sandbox!r} is not valid: use one of {', '.join(SANDBOX_MODES)}")
+    if sandbox == "off":
+        return None, "the sandbox was turned off (--no-sandbox)"
+    reason, how = unavailable_reason(), mode()
+    if how is None and sandbox == "required":
+        if os.geteuid() == 0:
+            reason += (f"; as root, the lesser sandbox (the submission's own user id, no namespaces) "
+                       f"needs a Python installation other users may run, and {sys.executable} is not")
+        raise SandboxUnavailable(f"{reason}. Instructor mode (--csv, --gradescope) grades only in the "
+                                 f"sandbox; --no-sandbox grades without it, trusting the submissions")
+    return how, reason
+
+
+def _remove_files_of(uid):
+    """Without namespaces, what a submission's user left in the shared temporary folders."""
+    import shutil
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.stat(follow_symlinks=False).st_uid == uid:
+                    if e.is_dir(follow_symlinks=False):
+                        shutil.rmtree(e.path, ignore_errors=True)
+                    else:
+                        os.unlink(e.path)
+            except OSError:
+                pass
+
+
 def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=None, budget=None,
-               tests=None):
+               tests=None, sandbox="auto"):
     """Grade the exercise folder ``impl``; returns one row per graded test (in collection order):
     {nodeid, lesson, points, score, outcome, message, output}. ``tests``: the folder of graded
-    test files (default: the checkout's tests/graded); other options: see the module docstring.
+    test files (default: the checkout's tests/graded); ``sandbox``: 'required' (instructor mode:
+    refuse to grade without it), 'auto' (use it where the machine has it) or 'off'; other options:
+    see the module docstring.
 
     The budget is shared fairly: when an exercise's first test starts, it gets the time left
     divided by the number of exercises left (time it does not use goes to the next ones), so
@@ -205,24 +251,28 @@ def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=No
     impl = pathlib.Path(impl).resolve()
     if not impl.is_dir():
         raise FileNotFoundError(f"no such exercises folder: {impl}")
+    sandboxed, _ = sandbox_mode(sandbox)  # "namespaces", "user" or None
     verdicts = _static_verdicts(impl, files)
     deadline = time.monotonic() + budget
     ev = _Events()
     lesson, lesson_deadline = None, deadline  # the exercise running, and the end of its share
     with tempfile.TemporaryDirectory(prefix="zerolab-grade-") as tmp:
         tmp = pathlib.Path(tmp)
-        (tmp / "marks").mkdir()
         (tmp / "sys_path").mkdir()
         (tmp / "sys_path" / "zerolab").symlink_to(PACKAGE, target_is_directory=True)
+        # A fresh copy of the tests and of the submission for this submission alone; its ranks see
+        # only that, the Python installation and zerolab (tree.py, sandbox.py).
+        submission, copies, _, marks, spec, uid = make_tree(tmp, impl, graded, files, sandboxed=sandboxed,
+                                                            shown=[tmp / "sys_path"])
         tag = secrets.token_hex(8)
-        env = _child_env(impl, rank_timeout, tmp, tag)
+        env = _child_env(submission, rank_timeout, tmp, tag, marks, spec)
         for attempt in range(1_000_000):  # each pass resumes after a crash or a stop; ends below
             remaining = ([e["arg"] for n, e in ev.collected.items() if n not in ev.results]
-                         if ev.collected else [str(f) for f in files])
+                         if ev.collected else [str(f) for f in copies])
             config = tmp / f"child{attempt}.json"
             ev.follow(tmp / f"events{attempt}.jsonl")
             config.write_text(json.dumps({"events": str(ev.path), "verdicts": verdicts,
-                                          "marks": str(tmp / "marks")}))
+                                          "marks": str(marks)}))
             proc = subprocess.Popen(
                 [sys.executable, "-m", "zerolab.grade.child", str(config), "-q", "--no-header",
                  "-p", "no:cacheprovider", "-o", "addopts=", "-o", "pythonpath=",
@@ -246,7 +296,9 @@ def run_graded(impl, lessons=None, test_timeout=TEST_TIMEOUT, *, rank_timeout=No
                         over = (f"exercise {lesson}'s share of the time budget (--budget {budget:g} s, "
                                 f"shared by the exercises left) ran out", lesson)
             finally:
-                _kill_all(proc, tag)
+                _kill_all(proc, tag, uid)
+                if sandboxed == "user":
+                    _remove_files_of(uid)
                 tail.join(5)
             ev.read()
             output = tail.text()

@@ -1,7 +1,10 @@
 """Wrong answer to exercise 00: no ring at all. Each half is cut into N chunks and every chunk is
 sent straight to the rank that sums it, then every sum straight back to every rank (a direct
 reduce-scatter and all-gather). Right sums and the same bytes per rank as the rings; but a rank
-talks to every other rank, not only to its two neighbours."""
+talks to every other rank, not only to its two neighbours.
+
+Caught by: test_both_directions_neighbours_only.
+"""
 import torch
 import torch.distributed as dist
 

@@ -1,6 +1,9 @@
 """Wrong answer to exercise 00: both directions at once, neighbours only, but without chunks: each
 rank passes its whole half on, N-1 times, adding what arrives. Right sums; each neighbour receives
-(N-1)/2 x S from it instead of (N-1)/N x S."""
+(N-1)/2 x S from it instead of (N-1)/N x S.
+
+Caught by: test_both_directions_neighbours_only.
+"""
 import torch
 import torch.distributed as dist
 

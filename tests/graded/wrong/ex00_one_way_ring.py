@@ -1,6 +1,9 @@
 """Wrong answer to exercise 00: lesson 00's ring, every chunk clockwise. Right sums, neighbours only,
 2(N-1)/N x S in all; but everything goes to the right neighbour and nothing to the left: half of
-every link idle, which is what the exercise is about."""
+every link idle, which is what the exercise is about.
+
+Caught by: test_both_directions_neighbours_only.
+"""
 import torch
 import torch.distributed as dist
 

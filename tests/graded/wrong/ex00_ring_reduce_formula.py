@@ -1,6 +1,9 @@
 """Wrong answer to exercise 00: the all-reduce is right; the reduce's bytes are not measured but
 taken from the ring formula, (N-1)/N of the tensor on every rank, as if gloo's reduce were a
-reduce-scatter: not what the sockets carry."""
+reduce-scatter: not what the sockets carry.
+
+Caught by: test_reduce_bytes_measured.
+"""
 import torch
 import torch.distributed as dist
 
@@ -9,7 +12,8 @@ def bidirectional_all_reduce(tensor, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     if n == 1:
         return tensor
-    right, left = (rank + 1) % n, (rank - 1) % n
+    to_global = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    right, left = to_global((rank + 1) % n), to_global((rank - 1) % n)
     a, b = tensor.view(-1).tensor_split(2)
     A, B = a.tensor_split(n), b.tensor_split(n)
     for s in range(n - 1):

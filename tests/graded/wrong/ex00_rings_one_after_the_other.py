@@ -1,6 +1,9 @@
 """Wrong answer to exercise 00: the two rings, but one after the other: the clockwise ring reduces
 its half completely, then the counter-clockwise ring does the other. Right sums, neighbours only,
-the right bytes each way; but at any moment only one direction of each link carries anything."""
+the right bytes each way; but at any moment only one direction of each link carries anything.
+
+Caught by: test_both_directions_neighbours_only.
+"""
 import torch
 import torch.distributed as dist
 

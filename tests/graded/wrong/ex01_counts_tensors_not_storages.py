@@ -1,6 +1,9 @@
 """Wrong answer to exercise 01: sampled at the right moments, but bytes are counted per tensor
 (numel x element size), not per storage: TinyGPT's tied embedding/head weight counts twice, and so
-does its gradient."""
+does its gradient.
+
+Caught by: test_peak_of_a_step_tied_weights_fp32_adam.
+"""
 import torch
 
 

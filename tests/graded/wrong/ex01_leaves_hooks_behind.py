@@ -1,5 +1,8 @@
 """Wrong answer to exercise 01: the measurement is right but its hooks stay on the model and the
-optimizer after it returns: every later backward and step runs them again."""
+optimizer after it returns: every later backward and step runs them again.
+
+Caught by: test_peak_of_a_step_tied_weights_fp32_adam.
+"""
 import torch
 
 

@@ -1,6 +1,9 @@
 """Wrong answer to exercise 01: the "peak" is measured before and after the step only. Right when
 everything the step holds survives it; but zero_grad(set_to_none=True) releases the gradients before
-the step returns, and the moment after optimizer.step(), when everything coexists, is never seen."""
+the step returns, and the moment after optimizer.step(), when everything coexists, is never seen.
+
+Caught by: test_peak_of_a_step_tied_weights_fp32_adam.
+"""
 import torch
 
 

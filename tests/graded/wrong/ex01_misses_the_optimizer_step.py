@@ -1,6 +1,9 @@
 """Wrong answer to exercise 01: sampled at the start, at every gradient and at the end, but not
 around the optimizer step: the moment right after optimizer.step(), when parameters, gradients and
-the new optimizer state all exist, is missed, and with it the step's peak."""
+the new optimizer state all exist, is missed, and with it the step's peak.
+
+Caught by: test_peak_of_a_step_tied_weights_fp32_adam.
+"""
 import torch
 
 

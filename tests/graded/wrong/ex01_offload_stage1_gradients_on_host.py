@@ -1,6 +1,9 @@
 """Wrong answer to exercise 01: the measurement is right; with offload the formula keeps only the
 parameters on the device at every stage, forgetting that stage 1 does not partition gradients, so
-its full gradient stays on the device."""
+its full gradient stays on the device.
+
+Caught by: test_offload_moves_the_owned_states_to_the_host.
+"""
 from zerolab.memory import PRECISIONS
 
 

@@ -1,9 +1,23 @@
 """Wrong answer to exercise 03: the updated parameters come back with one all_gather instead of a
 broadcast per owner: each rank packs its own parameters into a buffer padded to the largest rank's
 size. Right partition, state and values; but all_gather sends N buffers of the largest share, more
-than the Ψ elements a broadcast per owner sends, and not what the contract asks."""
+than the Ψ elements a broadcast per owner sends, and not what the contract asks.
+
+Caught by: test_each_gradient_to_its_owner_each_parameter_from_it."""
 import torch
 import torch.distributed as dist
+
+
+def _greedy_partition(numels, world_size):
+    """Index lists per rank: largest first (ties in the given order), each to the least-loaded rank
+    (ties: the lowest rank). torch's ZeroRedundancyOptimizer._partition_parameters does the same."""
+    order = sorted(range(len(numels)), key=lambda i: -numels[i])     # stable: ties keep their order
+    loads, out = [0] * world_size, [[] for _ in range(world_size)]
+    for i in order:
+        r = loads.index(min(loads))
+        out[r].append(i)
+        loads[r] += numels[i]
+    return out
 
 
 class ParamZero1:
@@ -11,35 +25,44 @@ class ParamZero1:
         self.group = group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.params = [p for p in dict.fromkeys(params) if p.requires_grad]
-        sizes = [0] * self.world_size
-        self.partition = [[] for _ in range(self.world_size)]
-        for p in sorted(self.params, key=lambda t: t.numel(), reverse=True):
-            r = sizes.index(min(sizes))
-            self.partition[r].append(p)
-            sizes[r] += p.numel()
-        self.sizes = sizes
-        self.local = optimizer_class(self.partition[self.rank], **defaults)
+        parts = _greedy_partition([p.numel() for p in self.params], self.world_size)
+        self.partition = [[self.params[i] for i in sorted(ids)] for ids in parts]   # model order
+        self.owner = {id(p): r for r, ps in enumerate(self.partition) for p in ps}
+        self.local = optimizer_class(self.partition[self.rank], **defaults)       # state: own params only
+
+    def _global(self, r):
+        return r if self.group is None else dist.get_global_rank(self.group, r)
 
     @torch.no_grad()
     def step(self):
+        # One flat buffer per owner: each rank's gradients of that owner's parameters, reduced (summed)
+        # to the owner only. Every element is sent once: Ψ in all, like a reduce-scatter's output.
         for r, ps in enumerate(self.partition):
-            g = torch.cat([p.grad.view(-1) for p in ps])
-            dist.reduce(g, r, group=self.group)
+            if not ps:
+                continue
+            # An unused parameter (no gradient on any rank) travels as zeros, so that every rank
+            # packs the same layout, and gets no gradient back: AdamW then skips it, as one process
+            # would (a zero gradient would still move it, by weight decay and by its moments).
+            flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps])
+            dist.reduce(flat, dst=self._global(r), group=self.group)
             if r == self.rank:
-                g /= self.world_size
-                for p, part in zip(ps, g.split([p.numel() for p in ps])):
-                    p.grad = part.view_as(p)
-        self.local.step()
-        width = max(self.sizes)
+                flat /= self.world_size                          # the sum over ranks -> the mean
+                for p, g in zip(ps, flat.split([p.numel() for p in ps])):
+                    p.grad = None if p.grad is None else g.view_as(p)
+        self.local.step()                                        # Adam on the owned parameters only
+        sizes = [sum(p.numel() for p in ps) for ps in self.partition]
+        width = max(sizes)                                       # one padded slot per rank
         mine = torch.zeros(width, dtype=self.params[0].dtype)
-        own = torch.cat([p.view(-1) for p in self.partition[self.rank]])
-        mine[:own.numel()] = own
+        if self.partition[self.rank]:
+            own = torch.cat([p.detach().reshape(-1) for p in self.partition[self.rank]])
+            mine[:own.numel()] = own
         every = torch.empty(width * self.world_size, dtype=mine.dtype)
         dist.all_gather_into_tensor(every, mine, group=self.group)
         for r, ps in enumerate(self.partition):
-            chunk = every[r * width:r * width + self.sizes[r]]
-            for p, v in zip(ps, chunk.split([p.numel() for p in ps])):
-                p.copy_(v.view_as(p))
+            if r != self.rank and ps:
+                chunk = every[r * width:r * width + sizes[r]]
+                for p, v in zip(ps, chunk.split([p.numel() for p in ps])):
+                    p.copy_(v.view_as(p))
 
     def zero_grad(self):
         for p in self.params:
@@ -47,7 +70,6 @@ class ParamZero1:
 
 
 def largest_share(numels, world_size):
-    sizes = [0] * world_size
-    for n in sorted(numels, reverse=True):
-        sizes[sizes.index(min(sizes))] += n
-    return max(sizes) / sum(numels)
+    """The fraction of the optimizer state the most loaded rank holds under the greedy partition."""
+    parts = _greedy_partition(numels, world_size)
+    return max(sum(numels[i] for i in ids) for ids in parts) / sum(numels)

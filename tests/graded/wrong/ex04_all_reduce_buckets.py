@@ -1,6 +1,8 @@
 """Wrong answer to exercise 04: each bucket is all-reduced (data parallelism's collective) from the
 hook, asynchronously, and each rank keeps its own part: right values and memory, but every rank
-receives every sum, twice DeepSpeed's reduction traffic."""
+receives every sum, twice DeepSpeed's reduction traffic.
+
+Caught by: test_each_slice_reduced_to_its_owner_during_backward."""
 import torch
 import torch.distributed as dist
 
@@ -19,51 +21,91 @@ class Zero2Gradients:
         self.setup()
 
     def setup(self):
-        offsets = dict(zip([id(p) for p in self.params], self.flat.offsets))
-        self.offsets = offsets
-        self.buckets = make_buckets(self.params[::-1], self.bucket_bytes, self.flat.dtype)
-        self.lohi = [(min(offsets[id(p)] for p in b), max(offsets[id(p)] + p.numel() for p in b)) for b in self.buckets]
-        self.which = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.buf, self.seen, self.running = {}, {}, []
+        offset = {id(p): off for p, off in zip(self.params, self.flat.offsets)}
+        self.buckets = []                   # (params, lo, hi): consecutive params = one flat range
+        self.where = {}                     # id(param) -> bucket index
+        for ps in make_buckets(self.params[::-1], self.bucket_bytes, self.flat.dtype):
+            lo = min(offset[id(p)] for p in ps)
+            hi = max(offset[id(p)] + p.numel() for p in ps)
+            for p in ps:
+                self.where[id(p)] = len(self.buckets)
+            self.buckets.append((ps, lo, hi))
+        self.offset = offset
+        self.buffers = {}                   # bucket -> its full-size gradient buffer, while alive
+        self.inflight = []                  # (bucket, [(owner, lo, hi, work)]), oldest first
+        self._reset()
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self.arrived)
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _reset(self):
+        self.missing = [len(ps) for ps, _, _ in self.buckets]
+        self.launched = [False] * len(self.buckets)
 
     @torch.no_grad()
-    def arrived(self, p):
-        i = self.which[id(p)]
-        lo, hi = self.lohi[i]
-        if i not in self.buf:
-            self.buf[i] = torch.zeros(hi - lo, dtype=self.flat.dtype)
-        self.buf[i][self.offsets[id(p)] - lo:self.offsets[id(p)] - lo + p.numel()] = p.grad.view(-1)
-        p.grad = None
-        self.seen[i] = self.seen.get(i, 0) + 1
-        if self.seen[i] == len(self.buckets[i]):
-            if self.running:
-                self.collect(*self.running.pop(0))
-            self.running.append((i, dist.all_reduce(self.buf[i], group=self.group, async_op=True)))
+    def _ready(self, p):
+        b = self.where[id(p)]
+        _, lo, _ = self.buckets[b]
+        buf = self._buffer(b)
+        start = self.offset[id(p)] - lo
+        buf[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None                                   # the parameter's full gradient is gone
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self._launch(b)
 
-    def collect(self, i, work):
-        work.wait()
-        lo, hi = self.lohi[i]
-        S = self.flat.shard_numel
-        a, b = max(lo, self.rank * S), min(hi, (self.rank + 1) * S)
-        if a < b:
-            self.grad_shard[a - self.rank * S:b - self.rank * S] += self.buf[i][a - lo:b - lo] / self.world_size
-        del self.buf[i]
+    def _buffer(self, b):
+        if b not in self.buffers:
+            _, lo, hi = self.buckets[b]
+            self.buffers[b] = torch.zeros(hi - lo, dtype=self.flat.dtype)
+        return self.buffers[b]
 
+    def _launch(self, b):
+        if self.inflight:                               # double buffer: the older bucket completes
+            self._complete(*self.inflight.pop(0))       # before a third could be alive
+        _, lo, hi = self.buckets[b]
+        buf, s, works = self.buffers[b], self.flat.shard_numel, []
+        work = dist.all_reduce(buf, group=self.group, async_op=True)   # everyone gets the sums
+        for q in range(self.world_size):                # the owners this bucket overlaps
+            a, z = max(lo, q * s), min(hi, (q + 1) * s)
+            if a < z:
+                works.append((q, a, z, work))
+        self.launched[b] = True
+        self.inflight.append((b, works))
+
+    def _complete(self, b, works):
+        _, lo, _ = self.buckets[b]
+        s = self.flat.shard_numel
+        for q, a, z, work in works:
+            work.wait()
+            if q == self.rank:                          # only the owner's copy holds the sum
+                mine = self.rank * s
+                self.grad_shard[a - mine:z - mine] += self.buffers[b][a - lo:z - lo] / self.world_size
+        del self.buffers[b]                             # free the full-size bucket
+
+    @torch.no_grad()
     def finish(self):
-        while self.running:
-            self.collect(*self.running.pop(0))
-        self.seen = {}
+        for b in range(len(self.buckets)):              # a bucket with an unused parameter: zeros
+            if not self.launched[b]:
+                for p in self.buckets[b][0]:
+                    if p.grad is not None:
+                        self._ready(p)
+                if not self.launched[b]:
+                    self._buffer(b)
+                    self._launch(b)
+        while self.inflight:
+            self._complete(*self.inflight.pop(0))
+        self._reset()
 
     def zero_grad(self):
         self.grad_shard.zero_()
 
 
 def reduce_calls(bucket_numels, world_size):
-    S = -(-sum(bucket_numels) // world_size)
-    total, lo = 0, 0
+    total = sum(bucket_numels)
+    s = -(-total // world_size)                         # S: the padded partition's shard size
+    calls, lo = 0, 0
     for n in bucket_numels:
-        total += len(range(lo // S, (lo + n - 1) // S + 1))
-        lo += n
-    return total
+        hi = lo + n
+        calls += sum(1 for q in range(world_size) if max(lo, q * s) < min(hi, (q + 1) * s))
+        lo = hi
+    return calls                                        # at most buckets + N - 1

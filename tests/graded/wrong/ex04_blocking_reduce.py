@@ -1,6 +1,8 @@
 """Wrong answer to exercise 04: each slice is reduced to its owner from the hook, but with a
 blocking dist.reduce, so backward stops at every bucket until its reduction is done. Values, bytes
-and memory are right; nothing overlaps."""
+and memory are right; nothing overlaps.
+
+Caught by: test_reduces_in_flight_while_backward_computes."""
 import torch
 import torch.distributed as dist
 
@@ -19,45 +21,94 @@ class Zero2Gradients:
         self.setup()
 
     def setup(self):
-        self.pos = {id(p): o for p, o in zip(self.params, self.flat.offsets)}
-        self.buckets = make_buckets(self.params[::-1], self.bucket_bytes, self.flat.dtype)
-        self.idx = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.grads = {}
+        offset = {id(p): off for p, off in zip(self.params, self.flat.offsets)}
+        self.buckets = []                   # (params, lo, hi): consecutive params = one flat range
+        self.where = {}                     # id(param) -> bucket index
+        for ps in make_buckets(self.params[::-1], self.bucket_bytes, self.flat.dtype):
+            lo = min(offset[id(p)] for p in ps)
+            hi = max(offset[id(p)] + p.numel() for p in ps)
+            for p in ps:
+                self.where[id(p)] = len(self.buckets)
+            self.buckets.append((ps, lo, hi))
+        self.offset = offset
+        self.buffers = {}                   # bucket -> its full-size gradient buffer, while alive
+        self.inflight = []                  # (bucket, [(owner, lo, hi, work)]), oldest first
+        self._reset()
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self.hook)
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _reset(self):
+        self.missing = [len(ps) for ps, _, _ in self.buckets]
+        self.launched = [False] * len(self.buckets)
 
     @torch.no_grad()
-    def hook(self, p):
-        i = self.idx[id(p)]
-        self.grads.setdefault(i, {})[id(p)] = p.grad
-        p.grad = None
-        if len(self.grads[i]) < len(self.buckets[i]):
-            return
-        ps = self.buckets[i]
-        lo = min(self.pos[id(q)] for q in ps)
-        buf = torch.cat([self.grads[i][id(q)].reshape(-1) for q in sorted(ps, key=lambda q: self.pos[id(q)])])
-        del self.grads[i]
-        S, r = self.flat.shard_numel, self.rank
-        for q in range(self.world_size):
-            a, b = max(lo, q * S), min(lo + buf.numel(), (q + 1) * S)
-            if a < b:
-                dist.reduce(buf[a - lo:b - lo], dst=q, group=self.group)
-                if q == r:
-                    self.grad_shard[a - r * S:b - r * S] += buf[a - lo:b - lo] / self.world_size
+    def _ready(self, p):
+        b = self.where[id(p)]
+        _, lo, _ = self.buckets[b]
+        buf = self._buffer(b)
+        start = self.offset[id(p)] - lo
+        buf[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None                                   # the parameter's full gradient is gone
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self._launch(b)
 
+    def _buffer(self, b):
+        if b not in self.buffers:
+            _, lo, hi = self.buckets[b]
+            self.buffers[b] = torch.zeros(hi - lo, dtype=self.flat.dtype)
+        return self.buffers[b]
+
+    def _launch(self, b):
+        if self.inflight:                               # double buffer: the older bucket completes
+            self._complete(*self.inflight.pop(0))       # before a third could be alive
+        _, lo, hi = self.buckets[b]
+        buf, s, works = self.buffers[b], self.flat.shard_numel, []
+        for q in range(self.world_size):                # the owners this bucket overlaps
+            a, z = max(lo, q * s), min(hi, (q + 1) * s)
+            if a < z:                                   # Sec. 5.2: reduce to the owner, not all-reduce
+                dst = q if self.group is None else dist.get_global_rank(self.group, q)
+                dist.reduce(buf[a - lo:z - lo], dst=dst, group=self.group)
+                work = None
+                works.append((q, a, z, work))
+        self.launched[b] = True
+        self.inflight.append((b, works))
+
+    def _complete(self, b, works):
+        _, lo, _ = self.buckets[b]
+        s = self.flat.shard_numel
+        for q, a, z, work in works:
+            if work is not None:
+                work.wait()
+            if q == self.rank:                          # only the owner's copy holds the sum
+                mine = self.rank * s
+                self.grad_shard[a - mine:z - mine] += self.buffers[b][a - lo:z - lo] / self.world_size
+        del self.buffers[b]                             # free the full-size bucket
+
+    @torch.no_grad()
     def finish(self):
-        self.grads = {}
+        for b in range(len(self.buckets)):              # a bucket with an unused parameter: zeros
+            if not self.launched[b]:
+                for p in self.buckets[b][0]:
+                    if p.grad is not None:
+                        self._ready(p)
+                if not self.launched[b]:
+                    self._buffer(b)
+                    self._launch(b)
+        while self.inflight:
+            self._complete(*self.inflight.pop(0))
+        self._reset()
 
     def zero_grad(self):
         self.grad_shard.zero_()
 
 
 def reduce_calls(bucket_numels, world_size):
-    S = -(-sum(bucket_numels) // world_size)
-    n_calls, start = 0, 0
+    total = sum(bucket_numels)
+    s = -(-total // world_size)                         # S: the padded partition's shard size
+    calls, lo = 0, 0
     for n in bucket_numels:
-        for q in range(world_size):
-            if start < (q + 1) * S and q * S < start + n:
-                n_calls += 1
-        start += n
-    return n_calls
+        hi = lo + n
+        calls += sum(1 for q in range(world_size) if max(lo, q * s) < min(hi, (q + 1) * s))
+        lo = hi
+    return calls                                        # at most buckets + N - 1

@@ -1,6 +1,8 @@
-"""Wrong answer to exercise 04: everything as asked, except that finish() writes this backward's
-average into grad_shard instead of adding it: a single backward is right, gradient accumulation
-over micro-batches keeps only the last one."""
+"""Wrong answer to exercise 04: everything as asked, except that each owner writes its piece of the
+average into grad_shard instead of adding it: a single backward is right (the pieces do not
+overlap), gradient accumulation over micro-batches keeps only the last one.
+
+Caught by: test_gradient_accumulation."""
 import torch
 import torch.distributed as dist
 
@@ -19,56 +21,92 @@ class Zero2Gradients:
         self.setup()
 
     def setup(self):
-        self.off = {id(p): o for p, o in zip(self.params, self.flat.offsets)}
-        self.buckets = []
+        offset = {id(p): off for p, off in zip(self.params, self.flat.offsets)}
+        self.buckets = []                   # (params, lo, hi): consecutive params = one flat range
+        self.where = {}                     # id(param) -> bucket index
         for ps in make_buckets(self.params[::-1], self.bucket_bytes, self.flat.dtype):
-            lo = min(self.off[id(p)] for p in ps)
-            self.buckets.append((ps, lo, max(self.off[id(p)] + p.numel() for p in ps)))
-        self.bucket = {id(p): k for k, (ps, _, _) in enumerate(self.buckets) for p in ps}
-        self.full, self.todo, self.inflight = {}, {}, []
+            lo = min(offset[id(p)] for p in ps)
+            hi = max(offset[id(p)] + p.numel() for p in ps)
+            for p in ps:
+                self.where[id(p)] = len(self.buckets)
+            self.buckets.append((ps, lo, hi))
+        self.offset = offset
+        self.buffers = {}                   # bucket -> its full-size gradient buffer, while alive
+        self.inflight = []                  # (bucket, [(owner, lo, hi, work)]), oldest first
+        self._reset()
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self.grad_ready)
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _reset(self):
+        self.missing = [len(ps) for ps, _, _ in self.buckets]
+        self.launched = [False] * len(self.buckets)
 
     @torch.no_grad()
-    def grad_ready(self, p):
-        k = self.bucket[id(p)]
-        ps, lo, hi = self.buckets[k]
-        if k not in self.full:
-            self.full[k] = torch.zeros(hi - lo, dtype=self.flat.dtype)
-            self.todo[k] = len(ps)
-        self.full[k][self.off[id(p)] - lo:self.off[id(p)] - lo + p.numel()].copy_(p.grad.flatten())
-        p.grad = None
-        self.todo[k] -= 1
-        if self.todo[k] == 0:
-            while self.inflight:
-                self.wait_for(*self.inflight.pop(0))
-            S, works = self.flat.shard_numel, []
-            for q in range(self.world_size):
-                a, b = max(lo, q * S), min(hi, (q + 1) * S)
-                if a < b:
-                    works.append((q, a, b, dist.reduce(self.full[k][a - lo:b - lo], q, group=self.group, async_op=True)))
-            self.inflight.append((k, works))
+    def _ready(self, p):
+        b = self.where[id(p)]
+        _, lo, _ = self.buckets[b]
+        buf = self._buffer(b)
+        start = self.offset[id(p)] - lo
+        buf[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None                                   # the parameter's full gradient is gone
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self._launch(b)
 
-    def wait_for(self, k, works):
-        S, lo = self.flat.shard_numel, self.buckets[k][1]
-        for q, a, b, w in works:
-            w.wait()
-            if q == self.rank:
-                self.grad_shard[a - q * S:b - q * S] = self.full[k][a - lo:b - lo] / self.world_size
-        del self.full[k]
+    def _buffer(self, b):
+        if b not in self.buffers:
+            _, lo, hi = self.buckets[b]
+            self.buffers[b] = torch.zeros(hi - lo, dtype=self.flat.dtype)
+        return self.buffers[b]
 
+    def _launch(self, b):
+        if self.inflight:                               # double buffer: the older bucket completes
+            self._complete(*self.inflight.pop(0))       # before a third could be alive
+        _, lo, hi = self.buckets[b]
+        buf, s, works = self.buffers[b], self.flat.shard_numel, []
+        for q in range(self.world_size):                # the owners this bucket overlaps
+            a, z = max(lo, q * s), min(hi, (q + 1) * s)
+            if a < z:                                   # Sec. 5.2: reduce to the owner, not all-reduce
+                dst = q if self.group is None else dist.get_global_rank(self.group, q)
+                work = dist.reduce(buf[a - lo:z - lo], dst=dst, group=self.group, async_op=True)
+                works.append((q, a, z, work))
+        self.launched[b] = True
+        self.inflight.append((b, works))
+
+    def _complete(self, b, works):
+        _, lo, _ = self.buckets[b]
+        s = self.flat.shard_numel
+        for q, a, z, work in works:
+            work.wait()
+            if q == self.rank:                          # only the owner's copy holds the sum
+                mine = self.rank * s
+                self.grad_shard[a - mine:z - mine] = self.buffers[b][a - lo:z - lo] / self.world_size
+        del self.buffers[b]                             # free the full-size bucket
+
+    @torch.no_grad()
     def finish(self):
+        for b in range(len(self.buckets)):              # a bucket with an unused parameter: zeros
+            if not self.launched[b]:
+                for p in self.buckets[b][0]:
+                    if p.grad is not None:
+                        self._ready(p)
+                if not self.launched[b]:
+                    self._buffer(b)
+                    self._launch(b)
         while self.inflight:
-            self.wait_for(*self.inflight.pop(0))
+            self._complete(*self.inflight.pop(0))
+        self._reset()
 
     def zero_grad(self):
         self.grad_shard.zero_()
 
 
 def reduce_calls(bucket_numels, world_size):
-    S = -(-sum(bucket_numels) // world_size)
-    out, lo = 0, 0
+    total = sum(bucket_numels)
+    s = -(-total // world_size)                         # S: the padded partition's shard size
+    calls, lo = 0, 0
     for n in bucket_numels:
-        out += sum(1 for q in range(world_size) if max(lo, q * S) < min(lo + n, (q + 1) * S))
-        lo += n
-    return out
+        hi = lo + n
+        calls += sum(1 for q in range(world_size) if max(lo, q * s) < min(hi, (q + 1) * s))
+        lo = hi
+    return calls                                        # at most buckets + N - 1

@@ -1,7 +1,9 @@
 """Wrong answer to exercise 04: instead of cutting a bucket at the partition boundaries, the whole
 bucket is reduced to each rank that owns part of it, and each owner keeps its part. Right values,
 from inside backward, asynchronously, two buckets alive; but a bucket spanning k owners is sent k
-times."""
+times.
+
+Caught by: test_each_slice_reduced_to_its_owner_during_backward."""
 import torch
 import torch.distributed as dist
 
@@ -20,57 +22,93 @@ class Zero2Gradients:
         self.setup()
 
     def setup(self):
-        self.offset = {id(p): o for p, o in zip(self.params, self.flat.offsets)}
-        self.buckets = []
+        offset = {id(p): off for p, off in zip(self.params, self.flat.offsets)}
+        self.buckets = []                   # (params, lo, hi): consecutive params = one flat range
+        self.where = {}                     # id(param) -> bucket index
         for ps in make_buckets(self.params[::-1], self.bucket_bytes, self.flat.dtype):
-            lo = min(self.offset[id(p)] for p in ps)
-            hi = max(self.offset[id(p)] + p.numel() for p in ps)
-            self.buckets.append({"params": ps, "lo": lo, "hi": hi, "left": len(ps), "buf": None, "works": []})
-        self.of = {id(p): b for b in self.buckets for p in b["params"]}
-        self.pending = []
+            lo = min(offset[id(p)] for p in ps)
+            hi = max(offset[id(p)] + p.numel() for p in ps)
+            for p in ps:
+                self.where[id(p)] = len(self.buckets)
+            self.buckets.append((ps, lo, hi))
+        self.offset = offset
+        self.buffers = {}                   # bucket -> its full-size gradient buffer, while alive
+        self.inflight = []                  # (bucket, [(owner, lo, hi, work)]), oldest first
+        self._reset()
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self.on_grad)
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _reset(self):
+        self.missing = [len(ps) for ps, _, _ in self.buckets]
+        self.launched = [False] * len(self.buckets)
 
     @torch.no_grad()
-    def on_grad(self, p):
-        b = self.of[id(p)]
-        if b["buf"] is None:
-            b["buf"] = torch.zeros(b["hi"] - b["lo"], dtype=self.flat.dtype)
-        o = self.offset[id(p)] - b["lo"]
-        b["buf"][o:o + p.numel()].copy_(p.grad.view(-1))
-        p.grad = None
-        b["left"] -= 1
-        if b["left"] == 0:
-            if self.pending:
-                self.done(self.pending.pop(0))
-            S = self.flat.shard_numel
-            for q in range(self.world_size):
-                if max(b["lo"], q * S) < min(b["hi"], (q + 1) * S):
-                    copy = b["buf"].clone() if q != self.world_size - 1 else b["buf"]
-                    b["works"].append((q, copy, dist.reduce(copy, dst=q, group=self.group, async_op=True)))
-            self.pending.append(b)
+    def _ready(self, p):
+        b = self.where[id(p)]
+        _, lo, _ = self.buckets[b]
+        buf = self._buffer(b)
+        start = self.offset[id(p)] - lo
+        buf[start:start + p.numel()].copy_(p.grad.reshape(-1))
+        p.grad = None                                   # the parameter's full gradient is gone
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self._launch(b)
 
-    def done(self, b):
-        S, r = self.flat.shard_numel, self.rank
-        for q, buf, w in b["works"]:
-            w.wait()
-            if q == r:
-                a, z = max(b["lo"], r * S), min(b["hi"], (r + 1) * S)
-                self.grad_shard[a - r * S:z - r * S] += buf[a - b["lo"]:z - b["lo"]] / self.world_size
-        b["works"], b["buf"], b["left"] = [], None, len(b["params"])
+    def _buffer(self, b):
+        if b not in self.buffers:
+            _, lo, hi = self.buckets[b]
+            self.buffers[b] = torch.zeros(hi - lo, dtype=self.flat.dtype)
+        return self.buffers[b]
 
+    def _launch(self, b):
+        if self.inflight:                               # double buffer: the older bucket completes
+            self._complete(*self.inflight.pop(0))       # before a third could be alive
+        _, lo, hi = self.buckets[b]
+        buf, s, works = self.buffers[b], self.flat.shard_numel, []
+        for q in range(self.world_size):                # the owners this bucket overlaps
+            a, z = max(lo, q * s), min(hi, (q + 1) * s)
+            if a < z:                                   # Sec. 5.2: reduce to the owner, not all-reduce
+                dst = q if self.group is None else dist.get_global_rank(self.group, q)
+                whole = buf.clone() if len(works) else buf      # each owner its own copy of the bucket
+                work = dist.reduce(whole, dst=dst, group=self.group, async_op=True)
+                works.append((q, a, z, work, whole))
+        self.launched[b] = True
+        self.inflight.append((b, works))
+
+    def _complete(self, b, works):
+        _, lo, _ = self.buckets[b]
+        s = self.flat.shard_numel
+        for q, a, z, work, whole in works:
+            work.wait()
+            if q == self.rank:                          # only the owner's copy holds the sum
+                mine = self.rank * s
+                self.grad_shard[a - mine:z - mine] += whole[a - lo:z - lo] / self.world_size
+        del self.buffers[b]                             # free the full-size bucket
+
+    @torch.no_grad()
     def finish(self):
-        while self.pending:
-            self.done(self.pending.pop(0))
+        for b in range(len(self.buckets)):              # a bucket with an unused parameter: zeros
+            if not self.launched[b]:
+                for p in self.buckets[b][0]:
+                    if p.grad is not None:
+                        self._ready(p)
+                if not self.launched[b]:
+                    self._buffer(b)
+                    self._launch(b)
+        while self.inflight:
+            self._complete(*self.inflight.pop(0))
+        self._reset()
 
     def zero_grad(self):
         self.grad_shard.zero_()
 
 
 def reduce_calls(bucket_numels, world_size):
-    S = -(-sum(bucket_numels) // world_size)
+    total = sum(bucket_numels)
+    s = -(-total // world_size)                         # S: the padded partition's shard size
     calls, lo = 0, 0
     for n in bucket_numels:
-        calls += sum(max(lo, q * S) < min(lo + n, (q + 1) * S) for q in range(world_size))
-        lo += n
-    return calls
+        hi = lo + n
+        calls += sum(1 for q in range(world_size) if max(lo, q * s) < min(hi, (q + 1) * s))
+        lo = hi
+    return calls                                        # at most buckets + N - 1

@@ -1,6 +1,9 @@
-"""Wrong answer to exercise 05: the pre-backward hook goes on the block's output tensor (on its first
-element when a block returns several): right on TinyGPT, whose blocks return one tensor, but a
-block returning a dict (hidden states and more, as real models' layers do) breaks it."""
+"""Wrong answer to exercise 05: the pre-backward hook goes on the block's first output only (out[0]
+of a tuple, the first value of a dict): right on TinyGPT, whose blocks return one tensor; but when a
+block returns several, backward may reach another output first and run the block's backward on
+freed parameters.
+
+Caught by: test_gradient_shards_with_accumulation."""
 import torch
 import torch.distributed as dist
 
@@ -22,67 +25,101 @@ class Zero3Schedule:
         self.setup(model)
 
     def setup(self, model):
-        self.blocks = [u for u in self.units if u.module is not None]
-        self.next_work = None
-        self.left = {}
-        self.rs = []
-        model.register_forward_pre_hook(self.begin)
-        for i, b in enumerate(self.blocks):
-            b.module.register_forward_pre_hook(lambda m, a, i=i: self.enter(i, +1))
-            b.module.register_forward_hook(lambda m, a, out, i=i: self.leave(i, out))
+        self.root = next((u for u in self.units if u.module is None), None)
+        self.blocks = [u for u in self.units if u.module is not None]   # forward order
+        self.pending = {}        # unit index -> all-gather handle not yet waited for
+        self.inflight = []       # (unit, work) reduce-scatters, oldest first
+        self.arrived = {}
+        self.unit_of = {id(p): u for u in self.units for p in u.flat.params}
+        model.register_forward_pre_hook(self._model_start)
+        model.register_forward_hook(self._model_end)
+        for i, u in enumerate(self.blocks):
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out))
         for u in self.units:
             for p in u.flat.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=u: self.arrived(u))
+                p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def begin(self, module, args):
-        self.left = {u.index: len(u.flat.params) for u in self.units}
-        for u in self.units:
-            if u.module is None:
-                gather(u, group=self.group)
-        self.next_work = (0, gather(self.blocks[0], group=self.group, async_op=True)) if self.prefetch else None
+    # -- gather / free ---------------------------------------------------------------------
+    def _ready(self, u):
+        """Make u's parameters whole: wait for its prefetch, or gather it now (blocking)."""
+        if u.index in self.pending:
+            self.pending.pop(u.index).wait()
+        elif not u.full.untyped_storage().nbytes():
+            gather(u, group=self.group)
 
-    def enter(self, i, step):
-        if self.next_work is not None and self.next_work[0] == i:
-            self.next_work[1].wait()
-            self.next_work = None
-        if not self.blocks[i].full.untyped_storage().nbytes():
-            gather(self.blocks[i], group=self.group)
-        j = i + step
-        if self.prefetch and 0 <= j < len(self.blocks) and not self.blocks[j].full.untyped_storage().nbytes():
-            self.next_work = (j, gather(self.blocks[j], group=self.group, async_op=True))
+    def _start(self, u):
+        """Prefetch: start u's all-gather without waiting (unless it is gathered already)."""
+        if self.prefetch and u.index not in self.pending and not u.full.untyped_storage().nbytes():
+            self.pending[u.index] = gather(u, group=self.group, async_op=True)
 
-    def leave(self, i, out):
+    # -- forward -----------------------------------------------------------------------------
+    def _model_start(self, module, args):
+        self.arrived = {u.index: set() for u in self.units}
+        if self.root is not None:
+            self._ready(self.root)               # embeddings, head: kept until their gradients
+        if self.blocks:
+            self._start(self.blocks[0])
+
+    def _model_end(self, module, args, output):
+        if torch.is_grad_enabled() and self.blocks:
+            # Backward starts at the loss, with the head (root): the last block's all-gather starts
+            # then, so that it runs under the head's backward (FSDP2's root pre-backward does the same).
+            register_pre_backward(output, lambda: self._start(self.blocks[-1]))
+
+    def _before_forward(self, i):
+        self._ready(self.blocks[i])
+        if i + 1 < len(self.blocks):
+            self._start(self.blocks[i + 1])      # runs while block i computes
+
+    def _after_forward(self, i, output):
         free(self.blocks[i])
-        t = out if isinstance(out, torch.Tensor) else out[0]
-        t.register_hook(lambda grad: self.enter(i, -1))
+        if torch.is_grad_enabled():
+            first = output if torch.is_tensor(output) else (
+                next(iter(output.values())) if isinstance(output, dict) else output[0])
+            first.register_hook(lambda grad: self._before_backward(i))
+
+    # -- backward ----------------------------------------------------------------------------
+    def _before_backward(self, i):
+        self._ready(self.blocks[i])              # gathered again: backward needs the weights
+        if i > 0:
+            self._start(self.blocks[i - 1])      # the block whose backward comes next
 
     @torch.no_grad()
-    def arrived(self, u):
-        self.left[u.index] -= 1
-        if self.left[u.index]:
-            return
-        g = u.flat.new_buffer()
-        for p, v in zip(u.flat.params, u.flat.views(g)):
+    def _grad_ready(self, p):
+        u = self.unit_of[id(p)]
+        self.arrived[u.index].add(id(p))
+        if len(self.arrived[u.index]) == len(u.flat.params):
+            self._reduce(u)
+
+    def _reduce(self, u):
+        grad_full = u.flat.new_buffer()          # the unit's gradients, packed once complete
+        for p, view in zip(u.flat.params, u.flat.views(grad_full)):
             if p.grad is not None:
-                v.copy_(p.grad)
+                view.copy_(p.grad)
                 p.grad = None
         free(u)
-        while len(self.rs) >= 1:
-            self.take(*self.rs.pop(0))
-        self.rs.append((u, g, reduce_scatter_grads(u, g, group=self.group)))
+        if self.inflight:
+            self._complete(*self.inflight.pop(0))   # at most two units of full-size gradients
+        self.inflight.append((u, grad_full, reduce_scatter_grads(u, grad_full, group=self.group)))
 
-    def take(self, u, g, work):
-        work.wait()
-        self.grad_shards[u.index] += u.flat.shard(g) / self.world_size
+    def _complete(self, u, grad_full, work):
+        if work is not None:
+            work.wait()
+        self.grad_shards[u.index] += u.flat.shard(grad_full) / self.world_size
 
+    @torch.no_grad()
     def finish(self):
-        while self.rs:
-            self.take(*self.rs.pop(0))
-        if self.next_work is not None:
-            self.next_work[1].wait()
-            self.next_work = None
+        for u in self.units:                     # a unit whose gradients never all arrived
+            if u.index in self.arrived and len(self.arrived[u.index]) < len(u.flat.params):
+                self._reduce(u)
+        while self.inflight:
+            self._complete(*self.inflight.pop(0))
         for u in self.units:
+            if u.index in self.pending:
+                self.pending.pop(u.index).wait()
             free(u)
+        self.arrived = {}
 
     def zero_grad(self):
         for g in self.grad_shards:
@@ -90,5 +127,8 @@ class Zero3Schedule:
 
 
 def traffic_ratio(unit_numels, root_numel):
-    psi = sum(unit_numels) + root_numel
-    return (3 * sum(unit_numels) + 2 * root_numel) / (2 * psi)
+    """Bytes one stage-3 step sends over the bytes data parallelism sends (same world size, same
+    dtype): each block is gathered twice and reduce-scattered once (3 ring phases), the root is
+    gathered once and reduce-scattered once (2); data parallelism all-reduces everything (2)."""
+    blocks = sum(unit_numels)
+    return (3 * blocks + 2 * root_numel) / (2 * (blocks + root_numel))

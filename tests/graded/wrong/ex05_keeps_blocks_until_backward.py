@@ -1,6 +1,8 @@
 """Wrong answer to exercise 05: each block, gathered for its forward, stays gathered until its
 backward is done (it saves the second all-gather). Right values, prefetch and all; but the whole
-model is gathered at the end of forward: the memory ZeRO-3 exists to save."""
+model is gathered at the end of forward: the memory ZeRO-3 exists to save.
+
+Caught by: test_what_is_whole_when."""
 import torch
 import torch.distributed as dist
 
@@ -22,72 +24,98 @@ class Zero3Schedule:
         self.setup(model)
 
     def setup(self, model):
-        self.blocks = [u for u in self.units if u.module is not None]
-        self.handles, self.seen, self.inflight = {}, {}, []
-        model.register_forward_pre_hook(self._begin)
+        self.root = next((u for u in self.units if u.module is None), None)
+        self.blocks = [u for u in self.units if u.module is not None]   # forward order
+        self.pending = {}        # unit index -> all-gather handle not yet waited for
+        self.inflight = []       # (unit, work) reduce-scatters, oldest first
+        self.arrived = {}
+        self.unit_of = {id(p): u for u in self.units for p in u.flat.params}
+        model.register_forward_pre_hook(self._model_start)
+        model.register_forward_hook(self._model_end)
         for i, u in enumerate(self.blocks):
-            u.module.register_forward_pre_hook(lambda m, a, i=i: self._use(i, i + 1))
-            u.module.register_forward_hook(self._after(i))
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out))
         for u in self.units:
             for p in u.flat.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=u: self._grad(u, p))
+                p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def _after(self, i):
-        def hook(module, args, out):
-            register_pre_backward(out, lambda: self._use(i, i - 1))
-        return hook
-
-    def _gathered(self, u):
-        return u.full.untyped_storage().nbytes() > 0
-
-    def _begin(self, module, args):
-        self.seen = {u.index: set() for u in self.units}
-        for u in self.units:
-            if u.module is None:
-                gather(u, group=self.group)
-        if self.blocks:
-            self._prefetch(self.blocks[0])
-
-    def _prefetch(self, u):
-        if self.prefetch and not self._gathered(u) and u.index not in self.handles:
-            self.handles[u.index] = gather(u, group=self.group, async_op=True)
-
-    def _use(self, i, nxt):
-        u = self.blocks[i]
-        if u.index in self.handles:
-            self.handles.pop(u.index).wait()
-        elif not self._gathered(u):
+    # -- gather / free ---------------------------------------------------------------------
+    def _ready(self, u):
+        """Make u's parameters whole: wait for its prefetch, or gather it now (blocking)."""
+        if u.index in self.pending:
+            self.pending.pop(u.index).wait()
+        elif not u.full.untyped_storage().nbytes():
             gather(u, group=self.group)
-        if 0 <= nxt < len(self.blocks):
-            self._prefetch(self.blocks[nxt])
+
+    def _start(self, u):
+        """Prefetch: start u's all-gather without waiting (unless it is gathered already)."""
+        if self.prefetch and u.index not in self.pending and not u.full.untyped_storage().nbytes():
+            self.pending[u.index] = gather(u, group=self.group, async_op=True)
+
+    # -- forward -----------------------------------------------------------------------------
+    def _model_start(self, module, args):
+        self.arrived = {u.index: set() for u in self.units}
+        if self.root is not None:
+            self._ready(self.root)               # embeddings, head: kept until their gradients
+        if self.blocks:
+            self._start(self.blocks[0])
+
+    def _model_end(self, module, args, output):
+        if torch.is_grad_enabled() and self.blocks:
+            # Backward starts at the loss, with the head (root): the last block's all-gather starts
+            # then, so that it runs under the head's backward (FSDP2's root pre-backward does the same).
+            register_pre_backward(output, lambda: self._start(self.blocks[-1]))
+
+    def _before_forward(self, i):
+        self._ready(self.blocks[i])
+        if i + 1 < len(self.blocks):
+            self._start(self.blocks[i + 1])      # runs while block i computes
+
+    def _after_forward(self, i, output):
+        if torch.is_grad_enabled():
+            register_pre_backward(output, lambda: self._before_backward(i))
+
+    # -- backward ----------------------------------------------------------------------------
+    def _before_backward(self, i):
+        self._ready(self.blocks[i])              # gathered again: backward needs the weights
+        if i > 0:
+            self._start(self.blocks[i - 1])      # the block whose backward comes next
 
     @torch.no_grad()
-    def _grad(self, u, p):
-        self.seen[u.index].add(id(p))
-        if len(self.seen[u.index]) != len(u.flat.params):
-            return
-        g = u.flat.new_buffer()
-        for q, v in zip(u.flat.params, u.flat.views(g)):
-            if q.grad is not None:
-                v.copy_(q.grad)
-                q.grad = None
+    def _grad_ready(self, p):
+        u = self.unit_of[id(p)]
+        self.arrived[u.index].add(id(p))
+        if len(self.arrived[u.index]) == len(u.flat.params):
+            self._reduce(u)
+
+    def _reduce(self, u):
+        grad_full = u.flat.new_buffer()          # the unit's gradients, packed once complete
+        for p, view in zip(u.flat.params, u.flat.views(grad_full)):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = None
         free(u)
         if self.inflight:
-            self._done(*self.inflight.pop(0))
-        self.inflight.append((u, g, reduce_scatter_grads(u, g, group=self.group)))
+            self._complete(*self.inflight.pop(0))   # at most two units of full-size gradients
+        self.inflight.append((u, grad_full, reduce_scatter_grads(u, grad_full, group=self.group)))
 
-    def _done(self, u, g, work):
-        work.wait()
-        self.grad_shards[u.index].add_(u.flat.shard(g), alpha=1 / self.world_size)
+    def _complete(self, u, grad_full, work):
+        if work is not None:
+            work.wait()
+        self.grad_shards[u.index] += u.flat.shard(grad_full) / self.world_size
 
+    @torch.no_grad()
     def finish(self):
+        for u in self.units:                     # a unit whose gradients never all arrived
+            if u.index in self.arrived and len(self.arrived[u.index]) < len(u.flat.params):
+                self._reduce(u)
         while self.inflight:
-            self._done(*self.inflight.pop(0))
-        for i, h in list(self.handles.items()):
-            h.wait()
-        self.handles = {}
+            self._complete(*self.inflight.pop(0))
         for u in self.units:
+            if u.index in self.pending:
+                self.pending.pop(u.index).wait()
             free(u)
+        self.arrived = {}
 
     def zero_grad(self):
         for g in self.grad_shards:
@@ -95,6 +123,8 @@ class Zero3Schedule:
 
 
 def traffic_ratio(unit_numels, root_numel):
+    """Bytes one stage-3 step sends over the bytes data parallelism sends (same world size, same
+    dtype): each block is gathered twice and reduce-scattered once (3 ring phases), the root is
+    gathered once and reduce-scattered once (2); data parallelism all-reduces everything (2)."""
     blocks = sum(unit_numels)
-    total = blocks + root_numel
-    return (3 * blocks + 2 * root_numel) / (2 * total)
+    return (3 * blocks + 2 * root_numel) / (2 * (blocks + root_numel))

@@ -1,6 +1,8 @@
 """Wrong answer to exercise 05: "prefetch as early as possible": every block's all-gather is started
-when the model's forward starts, and again for backward when backward reaches the last block. Right
-order of use and right values; but all blocks are gathered at once, twice a step."""
+when the model's forward starts, and again for backward when backward starts. Right order of use
+and right values; but all blocks are gathered at once, twice a step.
+
+Caught by: test_what_is_whole_when."""
 import torch
 import torch.distributed as dist
 
@@ -22,79 +24,112 @@ class Zero3Schedule:
         self.setup(model)
 
     def setup(self, model):
-        self.blocks = [u for u in self.units if u.module is not None]
-        self.work = {}
-        self.got = {}
-        self.pending = []
-        model.register_forward_pre_hook(self.forward_starts)
-        for k, b in enumerate(self.blocks):
-            b.module.register_forward_pre_hook(lambda m, a, b=b: self.wait(b))
-            b.module.register_forward_hook(lambda m, a, o, k=k: self.forward_ends(k, o))
+        self.root = next((u for u in self.units if u.module is None), None)
+        self.blocks = [u for u in self.units if u.module is not None]   # forward order
+        self.pending = {}        # unit index -> all-gather handle not yet waited for
+        self.inflight = []       # (unit, work) reduce-scatters, oldest first
+        self.arrived = {}
+        self.unit_of = {id(p): u for u in self.units for p in u.flat.params}
+        model.register_forward_pre_hook(self._model_start)
+        model.register_forward_hook(self._model_end)
+        for i, u in enumerate(self.blocks):
+            u.module.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i))
+            u.module.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out))
         for u in self.units:
             for p in u.flat.params:
-                p.register_post_accumulate_grad_hook(lambda p, u=u: self.grad_done(u))
+                p.register_post_accumulate_grad_hook(self._grad_ready)
 
-    def forward_starts(self, module, args):
-        self.got = {u.index: 0 for u in self.units}
-        for u in self.units:
-            if u.module is None:
-                gather(u, group=self.group)
-        self.prefetch_all()
+    # -- gather / free ---------------------------------------------------------------------
+    def _ready(self, u):
+        """Make u's parameters whole: wait for its prefetch, or gather it now (blocking)."""
+        if u.index in self.pending:
+            self.pending.pop(u.index).wait()
+        elif not u.full.untyped_storage().nbytes():
+            gather(u, group=self.group)
 
-    def prefetch_all(self):
+    def _start(self, u):
+        """Prefetch: start u's all-gather without waiting (unless it is gathered already)."""
+        if self.prefetch and u.index not in self.pending and not u.full.untyped_storage().nbytes():
+            self.pending[u.index] = gather(u, group=self.group, async_op=True)
+
+    # -- forward -----------------------------------------------------------------------------
+    def _model_start(self, module, args):
+        self.arrived = {u.index: set() for u in self.units}
+        if self.root is not None:
+            self._ready(self.root)               # embeddings, head: kept until their gradients
         for b in self.blocks:
-            if not b.full.untyped_storage().nbytes() and b.index not in self.work:
-                self.work[b.index] = gather(b, group=self.group, async_op=self.prefetch)
+            self._start(b)
 
-    def wait(self, b):
-        w = self.work.pop(b.index, None)
-        if w is not None:
-            w.wait()
-        if not b.full.untyped_storage().nbytes():
-            gather(b, group=self.group)
+    def _model_end(self, module, args, output):
+        if torch.is_grad_enabled() and self.blocks:
+            # Backward starts at the loss, with the head (root): the last block's all-gather starts
+            # then, so that it runs under the head's backward (FSDP2's root pre-backward does the same).
+            register_pre_backward(output, self._start_all)
 
-    def forward_ends(self, k, out):
-        free(self.blocks[k])
-        last = k == len(self.blocks) - 1
-        register_pre_backward(out, lambda: self.backward_starts(k, last))
+    def _start_all(self):
+        for b in self.blocks:
+            self._start(b)
 
-    def backward_starts(self, k, last):
-        if last:
-            self.prefetch_all()
-        self.wait(self.blocks[k])
+    def _before_forward(self, i):
+        self._ready(self.blocks[i])
+        if i + 1 < len(self.blocks):
+            self._start(self.blocks[i + 1])      # runs while block i computes
+
+    def _after_forward(self, i, output):
+        free(self.blocks[i])
+        if torch.is_grad_enabled():
+            register_pre_backward(output, lambda: self._before_backward(i))
+
+    # -- backward ----------------------------------------------------------------------------
+    def _before_backward(self, i):
+        self._ready(self.blocks[i])              # gathered again: backward needs the weights
+        if i > 0:
+            self._start(self.blocks[i - 1])      # the block whose backward comes next
 
     @torch.no_grad()
-    def grad_done(self, u):
-        self.got[u.index] += 1
-        if self.got[u.index] == len(u.flat.params):
-            buf = torch.cat([p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=buf_dtype(u))
-                             for p in u.flat.params] + [torch.zeros(u.flat.padding, dtype=buf_dtype(u))])
-            for p in u.flat.params:
+    def _grad_ready(self, p):
+        u = self.unit_of[id(p)]
+        self.arrived[u.index].add(id(p))
+        if len(self.arrived[u.index]) == len(u.flat.params):
+            self._reduce(u)
+
+    def _reduce(self, u):
+        grad_full = u.flat.new_buffer()          # the unit's gradients, packed once complete
+        for p, view in zip(u.flat.params, u.flat.views(grad_full)):
+            if p.grad is not None:
+                view.copy_(p.grad)
                 p.grad = None
-            free(u)
-            if self.pending:
-                self.collect(*self.pending.pop(0))
-            self.pending.append((u, buf, reduce_scatter_grads(u, buf, group=self.group)))
+        free(u)
+        if self.inflight:
+            self._complete(*self.inflight.pop(0))   # at most two units of full-size gradients
+        self.inflight.append((u, grad_full, reduce_scatter_grads(u, grad_full, group=self.group)))
 
-    def collect(self, u, buf, h):
-        h.wait()
-        self.grad_shards[u.index] += u.flat.shard(buf) / self.world_size
+    def _complete(self, u, grad_full, work):
+        if work is not None:
+            work.wait()
+        self.grad_shards[u.index] += u.flat.shard(grad_full) / self.world_size
 
+    @torch.no_grad()
     def finish(self):
-        for u, buf, h in self.pending:
-            self.collect(u, buf, h)
-        self.pending = []
+        for u in self.units:                     # a unit whose gradients never all arrived
+            if u.index in self.arrived and len(self.arrived[u.index]) < len(u.flat.params):
+                self._reduce(u)
+        while self.inflight:
+            self._complete(*self.inflight.pop(0))
         for u in self.units:
+            if u.index in self.pending:
+                self.pending.pop(u.index).wait()
             free(u)
+        self.arrived = {}
 
     def zero_grad(self):
         for g in self.grad_shards:
             g.zero_()
 
 
-def buf_dtype(u):
-    return u.shard.dtype
-
-
 def traffic_ratio(unit_numels, root_numel):
-    return (1.5 * sum(unit_numels) + root_numel) / (sum(unit_numels) + root_numel)
+    """Bytes one stage-3 step sends over the bytes data parallelism sends (same world size, same
+    dtype): each block is gathered twice and reduce-scattered once (3 ring phases), the root is
+    gathered once and reduce-scattered once (2); data parallelism all-reduces everything (2)."""
+    blocks = sum(unit_numels)
+    return (3 * blocks + 2 * root_numel) / (2 * (blocks + root_numel))

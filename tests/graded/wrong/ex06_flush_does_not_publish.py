@@ -1,6 +1,8 @@
 """Wrong answer to exercise 06: flush() waits for the running update but forgets to publish it:
 the device keeps parameters one update behind the masters after flush(), so an evaluation or a
-save right after training misses the last step."""
+save right after training misses the last step.
+
+Caught by: test_one_update_behind_from_host_copies."""
 import threading
 
 import torch

@@ -1,6 +1,8 @@
 """Wrong answer to exercise 06: the update runs in a thread, but step() joins the thread before it
 returns ("to be safe"). The result is still published one step late, so the values are those of the
-delayed update; but the host step never overlaps the device's next forward and backward."""
+delayed update; but the host step never overlaps the device's next forward and backward.
+
+Caught by: test_host_update_runs_beside_the_next_backward."""
 import threading
 
 import torch

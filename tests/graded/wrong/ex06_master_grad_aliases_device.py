@@ -1,6 +1,8 @@
 """Wrong answer to exercise 06: the delayed update, but the master's gradient is the device shard
 converted with .to(master dtype): a copy for bf16, the very same tensor for float64. The background
-update then reads device gradients that the next backward (here: a wipe) overwrites."""
+update then reads device gradients that the next backward (here: a wipe) overwrites.
+
+Caught by: test_one_update_behind_from_host_copies."""
 import threading
 
 import torch

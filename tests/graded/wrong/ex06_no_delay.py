@@ -1,6 +1,8 @@
 """Wrong answer to exercise 06: no delay at all: step() offloads, updates on the host and publishes
 at once. Correct ZeRO-Offload training, but not the delayed update the exercise asks for: nothing
-overlaps, and the parameters are not one update behind."""
+overlaps, and the parameters are not one update behind.
+
+Caught by: test_one_update_behind_from_host_copies."""
 import threading
 
 import torch

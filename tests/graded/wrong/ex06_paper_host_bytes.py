@@ -1,6 +1,8 @@
 """Wrong answer to exercise 06: the delayed update is right; the host bytes are the paper's
 (2 + 12) bytes per owned parameter (gradient shard, fp32 master, two moments), not what the engine
-keeps on the host."""
+keeps on the host.
+
+Caught by: test_host_bytes_per_element_measured."""
 import threading
 
 import torch

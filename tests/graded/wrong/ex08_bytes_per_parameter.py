@@ -1,6 +1,8 @@
 """Wrong answer to exercise 08: the server average is right; the bytes per element divide by the
 parameters (Ψ) instead of the elements the ring carries (2(N-1)/N x Ψ for a reduce-scatter plus an
-all-gather), so the number depends on N and reads as if ZeRO sent extra."""
+all-gather), so the number depends on N and reads as if ZeRO sent extra.
+
+Caught by: test_bytes_per_element_measured."""
 import torch
 import torch.distributed as dist
 
@@ -9,27 +11,31 @@ from zerolab import comm, models
 
 def sharded_server_average(tensor, servers, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
-    glob = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
-    slices = tensor.view(-1).tensor_split(servers)
-
-    inbox = [torch.empty_like(slices[rank]) for _ in range(n)] if rank < servers else []
-    works = [comm.isend(slices[k].contiguous(), glob(k), group=group) for k in range(servers) if k != rank]
-    works += [comm.irecv(inbox[r], glob(r), group=group) for r in range(n) if rank < servers and r != rank]
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers <= n:
+        raise ValueError(f"servers={servers!r}: choose a number of servers from 1 to the group's size ({n})")
+    # tensor_split: K contiguous parts whose sizes differ by at most one (chunk would not: 10 -> 3,3,3,1,
+    # and 6 -> only 3 parts for K = 4); views, so receiving an averaged part fills the tensor.
+    parts = tensor.view(-1).tensor_split(servers)
+    serving = rank < servers
+    # In: each rank's part k goes to server k (a server keeps its own); every send and receive is
+    # posted before any is waited for, so no order of arrival can deadlock. zerolab.comm takes GROUP
+    # ranks and translates them itself.
+    inbox = [torch.empty_like(parts[rank]) for _ in range(n)] if serving else []
+    works = [comm.isend(parts[k].contiguous(), k, group=group) for k in range(servers) if k != rank]
+    works += [comm.irecv(inbox[r], r, group=group) for r in range(n) if serving and r != rank]
     for w in works:
         w.wait()
-    if rank < servers:
+    if serving:                                           # the server's share of the work: sum / N
         for r in range(n):
             if r != rank:
-                slices[rank].add_(inbox[r])
-        slices[rank].div_(n)
-
-    works = [comm.isend(slices[rank].contiguous(), glob(r), group=group)
-             for r in range(n) if rank < servers and r != rank]
-    works += [comm.irecv(slices[k], glob(k), group=group) for k in range(servers) if k != rank]
+                parts[rank].add_(inbox[r])
+        parts[rank].div_(n)
+    # Out: each server sends its averaged part to every other rank; each rank receives every part.
+    works = [comm.isend(parts[rank].contiguous(), r, group=group) for r in range(n) if serving and r != rank]
+    works += [comm.irecv(parts[k], k, group=group) for k in range(servers) if k != rank]
     for w in works:
         w.wait()
     return tensor
-
 
 
 def bytes_per_element(param_dtype):

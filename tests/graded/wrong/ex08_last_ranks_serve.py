@@ -1,6 +1,8 @@
 """Wrong answer to exercise 08: the servers are the LAST K ranks instead of ranks 0..K-1 (a natural
 choice: "rank 0 does enough already"). Right averages; but the wrong ranks serve, so every rank
-talks to, and sends, what a different scheme than the one asked for implies."""
+talks to, and sends, what a different scheme than the one asked for implies.
+
+Caught by: test_sharded_server_traffic."""
 import torch
 import torch.distributed as dist
 
@@ -9,6 +11,8 @@ from zerolab import comm, models
 
 def sharded_server_average(tensor, servers, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers <= n:
+        raise ValueError(f"servers={servers!r} must be between 1 and the group's size {n}")
     first = n - servers                                  # servers: ranks n-K .. n-1
     parts = tensor.view(-1).tensor_split(servers)
     me = rank - first                                    # my slice if I serve, else negative
@@ -26,8 +30,8 @@ def sharded_server_average(tensor, servers, group=None):
         q.wait()
     if me >= 0:
         for buf in got:
-            parts[me] += buf
-        parts[me] /= n
+            parts[me].add_(buf)
+        parts[me].div_(n)
     reqs = []
     if me >= 0:
         reqs += [dist.isend(parts[me].clone(), r, group=group) for r in range(n) if r != rank]

@@ -1,5 +1,7 @@
 """Wrong answer to exercise 08: K is ignored and rank 0 serves the whole tensor (lesson 08's master
-scheme). Right averages, point-to-point only; with K > 1 the load is not shared."""
+scheme). Right averages, point-to-point only; with K > 1 the load is not shared.
+
+Caught by: test_sharded_server_traffic."""
 import torch
 import torch.distributed as dist
 
@@ -8,6 +10,8 @@ from zerolab import comm, models
 
 def sharded_server_average(tensor, servers, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers <= n:
+        raise ValueError(f"servers={servers!r} must be between 1 and the group's size {n}")
     if rank == 0:
         tmp = torch.empty_like(tensor)
         for src in range(1, n):

@@ -1,6 +1,8 @@
 """Wrong answer to exercise 08: the slices go to their servers point to point, but each server hands
 its averaged slice back with a broadcast (from the server to the group): right averages, a
-collective where the exercise (and the myth being measured) is about who sends what to whom."""
+collective where the exercise (and the myth being measured) is about who sends what to whom.
+
+Caught by: test_sharded_server_average_values."""
 import torch
 import torch.distributed as dist
 
@@ -9,6 +11,8 @@ from zerolab import comm, models
 
 def sharded_server_average(tensor, servers, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers <= n:
+        raise ValueError(f"servers={servers!r} must be between 1 and the group's size {n}")
     parts = tensor.view(-1).tensor_split(servers)
     pending = [dist.isend(parts[k].clone(), k, group=group) for k in range(servers) if k != rank]
     if rank < servers:

@@ -1,5 +1,7 @@
 """Wrong answer to exercise 08: every rank sends its WHOLE tensor to each server, and each server
-keeps the slice it serves: simpler indexing, right averages; K times the bytes on the way in."""
+keeps the slice it serves: simpler indexing, right averages; K times the bytes on the way in.
+
+Caught by: test_sharded_server_traffic."""
 import torch
 import torch.distributed as dist
 
@@ -8,6 +10,8 @@ from zerolab import comm, models
 
 def sharded_server_average(tensor, servers, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers <= n:
+        raise ValueError(f"servers={servers!r} must be between 1 and the group's size {n}")
     flat = tensor.view(-1)
     bounds = [t.numel() for t in flat.tensor_split(servers)]
     starts = [sum(bounds[:k]) for k in range(servers)]

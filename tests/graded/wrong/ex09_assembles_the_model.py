@@ -1,6 +1,8 @@
 """Wrong answer to exercise 09: load_shard assembles every parameter with assemble(), concatenates
 them, pads and cuts out its shard. Right values; but it builds the whole model to keep 1/N of it,
-and it refuses a checkpoint whose missing pieces this rank does not even need."""
+and it refuses a checkpoint whose missing pieces this rank does not even need.
+
+Caught by: test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need."""
 import torch
 
 

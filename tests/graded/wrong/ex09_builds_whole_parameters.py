@@ -1,6 +1,8 @@
 """Wrong answer to exercise 09: load_shard builds every parameter its shard overlaps in full (all of
 its pieces copied in) and checks only the part it owns. Right values and validation; but a rank
-that needs 75,000 elements of a 300,000-element parameter allocates all of it."""
+that needs 75,000 elements of a 300,000-element parameter allocates all of it.
+
+Caught by: test_load_shard_memory."""
 import torch
 
 

@@ -1,6 +1,8 @@
 """Wrong answer to exercise 09: load_shard copies each piece's overlap with its shard and marks the
 elements it filled, then checks that none is left unmarked: a gap is caught, but two pieces covering
-the same elements (files from two different saves) load silently."""
+the same elements (files from two different saves) load silently.
+
+Caught by: test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need."""
 import torch
 
 

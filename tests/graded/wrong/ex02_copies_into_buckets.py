@@ -1,0 +1,136 @@
+"""Wrong answer to exercise 02: gradients stay autograd's own tensors and each is copied into its
+bucket when final (torch DDP's layout without gradient_as_bucket_view): right means, one
+all-reduce per bucket, overlapped; but every gradient exists twice, in .grad and in its bucket.
+
+Caught by: test_gradients_not_copied.
+"""
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from zerolab.data_parallel import Bucket, assign_buckets
+from zerolab.flat import unique_trainable
+
+
+def _tensors(value):
+    """Every tensor in a forward's output (a tensor, or lists, tuples and dicts of them)."""
+    if torch.is_tensor(value):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _reached(outputs):
+    """The ids of the leaves (parameters) the autograd graph behind ``outputs`` accumulates into:
+    exactly the parameters the coming backward will hand a gradient (DDP's find_unused_parameters
+    walks the same graph; Li et al., VLDB 2020, Sec. 3.2.3)."""
+    found, seen = set(), set()
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)      # an AccumulateGrad node: its parameter
+        if leaf is not None:
+            found.add(id(leaf))
+        stack.extend(child for child, _ in node.next_functions)
+    return found
+
+
+class BucketedAverager:
+    def __init__(self, module, bucket_bytes, group=None):
+        self.group, self.n = group, dist.get_world_size(group)
+        params = unique_trainable(module.parameters())
+        self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(params, bucket_bytes))]
+        self.bucket_of, self.view_of = {}, {}
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                self.bucket_of[p] = b                       # .grad stays autograd's own tensor
+                self.view_of[p] = view
+                p.register_post_accumulate_grad_hook(self._ready)
+        module.register_forward_hook(self._after_forward)
+        self.sync, self.reached = True, None
+        self._reset()
+
+    def _after_forward(self, module, args, output):
+        if torch.is_grad_enabled():                         # what the next backward will reach
+            self.reached = (self.reached or set()) | _reached(output)
+
+    def _reset(self):
+        self.missing = [len(b.params) for b in self.buckets]   # grads not final yet, per bucket
+        self.next, self.works, self.done = 0, [], set()
+
+    def _ready(self, param):
+        if self.reached is not None:                        # the first gradient of this backward:
+            reached, self.reached = self.reached, None      # parameters the forward did not use get
+            if self.sync:                                   # none; their gradients are final already
+                for p in self.bucket_of:
+                    if id(p) not in reached:
+                        self._count(p)
+        if self.sync:
+            self._count(param)
+
+    def _count(self, param):
+        if param in self.done:
+            raise RuntimeError("a gradient arrived twice before finish(): call finish() after each "
+                               "synchronising backward")
+        self.done.add(param)
+        view = self.view_of[param]
+        view.copy_(param.grad) if param.grad is not None else view.zero_()   # into the bucket
+        self.missing[self.bucket_of[param].index] -= 1
+        while self.next < len(self.buckets) and self.missing[self.next] == 0:
+            self._launch()                                  # in index order on every rank
+
+    def _launch(self):
+        b = self.buckets[self.next]
+        b.buffer.div_(self.n)                               # Σ g/N over ranks = the mean
+        self.works.append(dist.all_reduce(b.buffer, group=self.group, async_op=True))
+        self.next += 1
+
+    def finish(self):
+        for p in self.bucket_of:                            # no backward reached these
+            if p not in self.done:
+                self._count(p)
+        for w in self.works:
+            w.wait()
+        for b in self.buckets:                              # the means back into .grad
+            for p, view in zip(b.params, b.views):
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
+        self._reset()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync = False
+        try:
+            yield
+        finally:
+            self.sync = True
+
+
+def ddp_bucket_bytes(model, batches, bucket_cap_mb):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    seen = []
+
+    def hook(state, bucket):                                # DDP calls it once per bucket it reduces
+        buf = bucket.buffer()
+        seen.append(buf.numel() * buf.element_size())
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0].div_(dist.get_world_size()))
+
+    ddp.register_comm_hook(None, hook)
+    out = []
+    for x, y in batches:
+        seen.clear()
+        ddp(x, y).backward()
+        out.append(list(seen))
+    return out

@@ -1,0 +1,63 @@
+"""Wrong answer to exercise 09: assemble and load_shard are right; bytes_read takes the kernel's
+wchar (bytes the process wrote) for rchar (bytes it read): a load writes next to nothing, so the
+checkpoint seems to cost no reading at all.
+
+Caught by: test_bytes_read_measured."""
+import torch
+
+
+def _check_piece(numel, lo, hi, values, where=""):
+    if not 0 <= lo < hi <= numel or values.numel() != hi - lo:
+        raise ValueError(f"{where}piece [{lo}, {hi}) with {values.numel()} values does not fit a parameter "
+                         f"of {numel} elements")
+
+
+def _check_count(count, offset, what):
+    for bad, how in ((count == 0, "missing"), (count > 1, "covered more than once")):
+        if bool(bad.any()):
+            idx = (bad.nonzero().reshape(-1) + offset)
+            raise ValueError(f"{what}elements {idx[:5].tolist()} ({idx.numel()} in all) are {how}")
+
+
+def assemble(numel, pieces):
+    if not pieces:
+        raise ValueError(f"no pieces for a parameter of {numel} elements")
+    full = torch.zeros(numel, dtype=pieces[0][2].dtype)
+    count = torch.zeros(numel, dtype=torch.int64)
+    for lo, hi, values in pieces:
+        _check_piece(numel, lo, hi, values)
+        full[lo:hi] = values.reshape(-1)
+        count[lo:hi] += 1
+    _check_count(count, 0, "")
+    return full
+
+
+def load_shard(numels, pieces, world_size, rank):
+    s = -(-sum(numels) // world_size)
+    first, last = rank * s, (rank + 1) * s
+    dtype = next((v.dtype for ps in pieces.values() for _, _, v in ps), torch.float32)
+    shard = torch.zeros(s, dtype=dtype)
+    start = 0
+    for index, numel in enumerate(numels):
+        a, b = max(first, start), min(last, start + numel)
+        if a < b:
+            lo, hi = a - start, b - start
+            count = torch.zeros(hi - lo, dtype=torch.int8)
+            for plo, phi, values in pieces.get(index, []):
+                _check_piece(numel, plo, phi, values, f"parameter {index}: ")
+                c, d = max(lo, plo), min(hi, phi)
+                if c < d:
+                    shard[start + c - first:start + d - first] = values.reshape(-1)[c - plo:d - plo]
+                    count[c - lo:d - lo] += 1
+            _check_count(count, lo, f"parameter {index}: ")
+        start += numel
+    return shard
+
+
+def bytes_read(load):
+    def io(field):
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith(field + ":")).split()[1])
+    before = io("wchar")
+    load()
+    return io("wchar") - before
