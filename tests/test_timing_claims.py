@@ -73,6 +73,8 @@ def directional_claims(cells):
     commentary that states a direction and does not say what it rests on."""
     found, after_timing = [], False
     for i, cell in enumerate(cells):
+        if "presenter-notes" in cell.get("metadata", {}).get("tags", []):
+            continue          # a presenter guide's notes (tools/slides.py), not the lesson's prose
         if cell["cell_type"] == "code":
             after_timing = is_timing_cell(cell)
         elif cell["cell_type"] == "markdown" and after_timing:
@@ -113,6 +115,10 @@ def test_the_rule_catches_and_spares():
     assert directional_claims(spared) == []
     headed = [_timing("12 ms\n"), _md("## 6. Overlap-centric design (Sec. 6.2)\n\nThe paper (Sec. 5.2) overlaps them.")]
     assert [s for _, s in directional_claims(headed)] == ["5.2) overlaps them."]
+    notes = {"cell_type": "markdown", "source": "**Presenter notes** (hidden in the slideshow)",
+             "metadata": {"tags": ["presenter-notes", "remove-cell"]}}
+    assert [s for _, s in directional_claims([_timing("12 ms\n"), notes, _md("It is faster.")])] == [
+        "It is faster."], "a notes cell is skipped, and the lesson's prose after it is still checked"
     untimed = [{"cell_type": "code", "source": "# NBVAL_IGNORE_OUTPUT\nprint(x)",
                 "outputs": [{"output_type": "stream", "text": "RSS 307 MB\n"}]}, _md("It is faster.")]
     assert directional_claims(untimed) == []
