@@ -1,63 +1,70 @@
-"""python -m benchmarks.bench_offload [--steps 4] [--world-size 2] [--adam-mparams 33.5]
+"""python -m benchmarks.bench_offload [--steps 7] [--world-size 2] [--adam-mparams 33.5] [--adam-rounds 9]
 
 CPU offload (ZeRO-Offload, arXiv 2101.06840), measured on this machine in one run:
 
 1. The host optimizer: AdamW on one fp32 tensor of Ψ parameters in torch's three CPU implementations
-   (for-loop, foreach, fused) and zerolab's HostOptimizer step (bf16 gradient shard in, upcast, fused
-   AdamW, bf16 params out), in Mparams/s and effective GB/s against a measured memory-bandwidth
-   ceiling (a large tensor copy, and an in-place add, which has no hidden write-allocate reads).
-   Adam is memory-bound: per parameter it reads p, g, m, v and writes p, m, v, 7 x 4 = 28 bytes in
-   fp32, so bandwidth / 28 B is the speed limit of any CPU Adam.
+   (for-loop, foreach, fused) and zerolab's HostOptimizer step on Ψ bf16 parameters (bf16 gradient
+   shard in, bf16 parameters out; its default kernel, zerolab.cpu_adam's one pass, and torch's fused
+   kernel with the two casts around it), in Mparams/s and effective GB/s against memory ceilings
+   measured in the same rounds (benchmarks/ceilings.py: STREAM's copy and triad, and AdamW's own
+   traffic without its arithmetic). Adam is memory-bound: per parameter it reads p, g, m, v and
+   writes p, m, v, 7 x 4 = 28 bytes in fp32 (in bf16 with the casts folded in: 2 + 12 + 12 + 2 = 28
+   too), so the fastest those bytes can move is the speed limit of any CPU Adam. Every ratio is paired
+   (benchmarks/protocol.py); a row faster than its ceiling out of the noise fails the benchmark.
 2. One training step, fp32 (bf16 matmuls are ~10x slower than fp32 on CPUs without bf16 units, as
    here), the same TinyGPT, data and gloo group: zerolab stage 2 with the optimizer on the "device"
-   (for-loop and fused AdamW), stage 2 + offload (host fused / for-loop AdamW), stage 2 + offload +
-   delayed parameter update, and torch FSDP2 ``fully_shard`` with and without ``CPUOffloadPolicy``.
+   (for-loop and fused AdamW), stage 2 + offload (host: torch's fused AdamW, the same kernel as the
+   device row's; zerolab.cpu_adam's one pass, the default; the for-loop), stage 2 + offload + delayed
+   parameter update, and torch FSDP2 ``fully_shard`` with and without ``CPUOffloadPolicy``.
    CPUOffloadPolicy offloads the sharded PARAMETERS too (copied host-to-device before every
    all-gather): that is ZeRO-3 + offload, not ZeRO-Offload, which keeps the 2-byte params on the
    device. On this CPU-only machine "device" and "host" are the same memory: the offload rows
    measure the extra copies and the host kernel, not PCIe. Contenders take turns in blocks of 2
    consecutive steps (a delayed update overlaps the next step; a block ends only when its last host
-   update is done); the table reports the median step.
+   update is done), in rotating order, the slowest rank's time (benchmarks/protocol.py); the table
+   reports the median step and the paired ratios.
 """
 import argparse
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks import Section
+from benchmarks import Section, ceilings, protocol
 from zerolab import Cluster, models
 
 MODEL = dict(vocab_size=2048, d_model=192, n_layers=3, n_heads=6, seq_len=64)
 BATCH = 4
 BLOCK = 2             # consecutive steps per timed block
-COPY_BYTES = 2**28
+TARGET = 1.1        # HostOptimizer (bf16 in/out) vs torch's fused AdamW on fp32 data of the same size
 
 
-def copy_and_adam(numel, repeats=6):
-    """Seconds per call, best of ``repeats`` rounds (load from other work only ever slows a run, so the
-    minimum is the machine's capability), interleaved round by round so that all see the same machine:
-    a 256 MiB tensor copy and a 256 MiB in-place add (the bandwidth ceiling), AdamW on ``numel`` fp32 params in torch's three CPU
-    implementations, and HostOptimizer.step (bf16 gradient shard in, upcast, fused AdamW, bf16 out)."""
+IMPLEMENTATIONS = ("torch.optim.AdamW for-loop", "torch.optim.AdamW foreach", "torch.optim.AdamW fused",
+                   "zerolab HostOptimizer.step (bf16 in/out, one pass: zerolab.cpu_adam)",
+                   "zerolab HostOptimizer.step (bf16 in/out, torch's fused AdamW + casts)")
+HOST, HOST_TORCH = IMPLEMENTATIONS[3:]
+
+
+def adam_rounds(numel, timed=7):
+    """Seconds per call in each of ``timed`` paired rounds (after a warm-up round: allocations, lazy
+    state, page faults), every contender once per round in rotating order: the memory ceilings, AdamW on
+    ``numel`` fp32 params in torch's three CPU implementations, and HostOptimizer.step on ``numel`` bf16
+    params, its default kernel and torch's. Returns ({name: [s]}, {name: bytes per call})."""
     from zerolab.offload import HostOptimizer
-    src, dst = torch.ones(COPY_BYTES // 4), torch.empty(COPY_BYTES // 4)
-    calls = {"copy": lambda: dst.copy_(src), "in-place": lambda: src.add_(0.0)}
-    for name, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True})):
+    kernels = ceilings.memory_kernels(numel)
+    calls = {name: fn for name, (fn, _) in kernels.items()}
+    nbytes = {name: b for name, (_, b) in kernels.items()}
+    for name, kw in zip(IMPLEMENTATIONS, ({"foreach": False}, {"foreach": True}, {"fused": True})):
         p = torch.zeros(numel, requires_grad=True)
         p.grad = torch.full((numel,), 1e-3)
-        calls[f"torch.optim.AdamW {name}"] = torch.optim.AdamW([p], lr=1e-3, **kw).step
-    host = HostOptimizer(torch.zeros(numel, dtype=torch.bfloat16), torch.optim.AdamW, lr=1e-3)
-    host.grads[0].fill_(1e-3)
-    calls["zerolab HostOptimizer.step (bf16 in/out, fused)"] = host.step
-    best = {}
-    for r in range(repeats + 1):                     # round 0 warms up: allocations, lazy state, page faults
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            if r:
-                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-    return best
+        calls[name] = lambda r, step=torch.optim.AdamW([p], lr=1e-3, **kw).step: step()
+    for name, kw in ((HOST, {}), (HOST_TORCH, {"fused": True})):
+        host = HostOptimizer(torch.zeros(numel, dtype=torch.bfloat16), torch.optim.AdamW, lr=1e-3, **kw)
+        host.grads[0].fill_(1e-3)
+        if (host.one_pass is not None) != (name == HOST):
+            raise RuntimeError(f"{name}: the kernel is not the one named (no C compiler here?)")
+        calls[name] = lambda r, host=host: host.step()
+    nbytes.update({name: 28 * numel for name in IMPLEMENTATIONS})
+    return protocol.rounds(calls, timed=timed), nbytes
 
 
 def _contenders():
@@ -68,9 +75,10 @@ def _contenders():
     for label, offload, kw, delayed in (
             ("stage 2, AdamW for-loop", None, {}, False),
             ("stage 2, AdamW fused", None, {"fused": True}, False),
-            ("stage 2 + offload, host AdamW fused", "optimizer", {}, False),
+            ("stage 2 + offload, host AdamW fused", "optimizer", {"fused": True}, False),
+            ("stage 2 + offload, host one-pass AdamW (zerolab.cpu_adam, the default)", "optimizer", {}, False),
             ("stage 2 + offload, host AdamW for-loop", "optimizer", {"fused": False}, False),
-            ("stage 2 + offload + delayed update (DPU)", "optimizer", {}, True)):
+            ("stage 2 + offload + delayed update (DPU), host AdamW fused", "optimizer", {"fused": True}, True)):
         engine = zerolab.initialize(models.build("gpt", seed=0, **MODEL), stage=2, lr=1e-3,
                                            offload=offload, **kw)
         if delayed:
@@ -108,78 +116,93 @@ def _contenders():
 def _measure(steps):
     contenders = _contenders()
     rank = dist.get_rank()
-    times = {name: [] for name in contenders}
-    for s in range(steps + 1):                              # block 0 warms up
-        batches = [models.batch("gpt", seed=100 * (s * BLOCK + k) + rank, batch_size=BATCH,
-                                vocab_size=MODEL["vocab_size"], seq_len=MODEL["seq_len"]) for k in range(BLOCK)]
-        for name, (step, done, _) in contenders.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for x, y in batches:
-                step(x, y)
+
+    def block(step, done):
+        def run(r):                                         # round r: BLOCK steps on the round's batches
+            for k in range(BLOCK):
+                step(*models.batch("gpt", seed=100 * (r * BLOCK + k) + rank, batch_size=BATCH,
+                                   vocab_size=MODEL["vocab_size"], seq_len=MODEL["seq_len"]))
             done()
-            dist.barrier()
-            times[name].append((time.perf_counter() - t0) / BLOCK)
-    rows = {}
-    for name, (_, _, engine) in contenders.items():
-        placement = engine.placement() if engine is not None else None
-        rows[name] = (statistics.median(times[name][1:]), placement)
-    return rows
+        return run
+    times = protocol.rounds({name: block(step, done) for name, (step, done, _) in contenders.items()},
+                            timed=steps, clock=protocol.slowest_rank())
+    placement = {name: engine.placement() if engine is not None else None
+                 for name, (_, _, engine) in contenders.items()}
+    return {name: [t / BLOCK for t in ts] for name, ts in times.items()}, placement
 
 
-def main(steps=4, world_size=2, adam_mparams=33.5):
+def main(steps=7, world_size=2, adam_mparams=33.5, adam_rounds_=9):
     numel = int(adam_mparams * 1e6)
-    speeds = copy_and_adam(numel)
-    # Read + write bytes. A copy's stores may also read the destination first (write-allocate), which
-    # this count does not see; an in-place add reads and writes the same lines. The faster is the ceiling.
-    copy_bw, inplace_bw = (2 * COPY_BYTES / speeds.pop(k) for k in ("copy", "in-place"))
-    bw = max(copy_bw, inplace_bw)
-    base = speeds["torch.optim.AdamW for-loop"]
-    lines = [f"### CPU AdamW on {numel / 1e6:.1f}M fp32 parameters ({torch.get_num_threads()} threads, best of 6)\n",
-             f"Memory-bandwidth ceiling, {COPY_BYTES // 2**20} MiB, read + write bytes: tensor copy "
-             f"{copy_bw / 1e9:.1f} GB/s, in-place add {inplace_bw / 1e9:.1f} GB/s; the ceiling **{bw / 1e9:.1f} GB/s** "
-             f"= at most {bw / 28 / 1e6:.0f} Mparams/s for any Adam (28 B/param).\n",
-             "| implementation | ms / step | Mparams/s | effective GB/s (28 B/param) | % of ceiling | speed-up vs for-loop |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for name, t in speeds.items():
-        lines.append(f"| {name} | {t * 1e3:.0f} | {numel / t / 1e6:.0f} | {28 * numel / t / 1e9:.1f} | "
-                     f"{100 * 28 * numel / t / bw:.0f}% | {base / t:.1f}x |")
-    lines.append("\nBest of 6 interleaved rounds each; above 100% would mean the ceiling's best round was "
-                 "still slowed by other load on the machine.")
+    times, nbytes = adam_rounds(numel, adam_rounds_)
+    rate = {name: [nbytes[name] / t for t in ts] for name, ts in times.items()}
+    ceiling = {name: rate[name] for name in rate if name not in IMPLEMENTATIONS}
+    fractions = {name: ceilings.fraction(rate[name], ceiling) for name in IMPLEMENTATIONS}
+    med = {name: protocol.median(ts) for name, ts in times.items()}
+    lines = [f"### CPU AdamW on {numel / 1e6:.1f}M parameters ({torch.get_num_threads()} threads, "
+             f"{adam_rounds_} paired rounds)\n",
+             "Memory ceilings, measured in the same rounds (best round; benchmarks/ceilings.py): " +
+             ", ".join(f"{name} {max(rate[name]) / 1e9:.1f} GB/s" for name in ceiling) +
+             f" (STREAM arrays of {ceilings.stream_numel() * 4 / 2**20:.0f} MiB, counted as STREAM counts them). "
+             "The ceiling of each row is the fastest of them in the same round.\n",
+             "| implementation | ms / step (median) | Mparams/s | effective GB/s (28 B/param) | fraction of the "
+             "ceiling: paired [middle half], best round | step time / torch fused AdamW, paired | speed-up vs for-loop, paired |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name in IMPLEMENTATIONS:
+        vs_fused = protocol.ratio(times, name, "torch.optim.AdamW fused")
+        speedup = protocol.ratio(times, "torch.optim.AdamW for-loop", name)
+        lines.append(f"| {name} | {med[name] * 1e3:.1f} | {numel / med[name] / 1e6:.0f} | "
+                     f"{28 * numel / med[name] / 1e9:.1f} | {fractions[name]} | {vs_fused} | {speedup} |")
+    lines.append("\nRatios: median [middle half] over the rounds. " + protocol.PROTOCOL_NOTE + " The bf16 rows run on "
+                 "bf16 gradient and parameter shards of the same count (a 2-byte gradient read and a 2-byte "
+                 "parameter written instead of a 4-byte gradient read: 28 B per parameter either way, with the "
+                 "casts folded into the update's pass; 40 B with the casts as separate passes).")
+    lines.append(ceilings.warning(ceilings.check(fractions)))   # fails loudly: a row above its ceiling
     psi = sum(p.numel() for p in dict.fromkeys(models.build("gpt", seed=0, **MODEL).parameters()))
     lines += ["", f"### One training step with and without offload (TinyGPT {psi / 1e6:.2f}M params, fp32, AdamW, "
               f"batch {BATCH} x {MODEL['seq_len']} per rank, {world_size} ranks, gloo)\n",
-              "| contender | step (ms) | / stage 2 fused | device MB / rank | host MB / rank |", "|---|---:|---:|---:|---:|"]
-    with Cluster(world_size, timeout=600) as cluster:
-        rows = cluster.run(_measure, steps)[0]
-    ref = rows["stage 2, AdamW fused"][0]
-    for name, (t, pl) in rows.items():
+              "| contender | step (ms, median) | / stage 2 fused, paired | device MB / rank | host MB / rank |",
+              "|---|---:|---:|---:|---:|"]
+    with Cluster(world_size, timeout=900) as cluster:
+        steps_t, placement = cluster.run(_measure, steps)[0]
+    ref = "stage 2, AdamW fused"
+    for name, ts in steps_t.items():
+        pl = placement[name]
         dev, host = ("—", "—") if pl is None else (f"{pl['device'] / 1e6:.1f}", f"{pl['host'] / 1e6:.1f}")
-        lines.append(f"| {name} | {t * 1e3:.0f} | {t / ref:.2f} | {dev} | {host} |")
+        lines.append(f"| {name} | {protocol.median(ts) * 1e3:.0f} | {protocol.ratio(steps_t, name, ref)} | {dev} | {host} |")
     lines.append("\nDevice / host MB: zerolab's placement by role (what would sit on the accelerator vs in "
-                 "host memory); on this machine both are the same RAM.")
-    host = speeds["zerolab HostOptimizer.step (bf16 in/out, fused)"]
-    off, dev = rows["stage 2 + offload, host AdamW fused"], rows["stage 2, AdamW fused"]
-    fsdp_off = rows["torch FSDP2 + CPUOffloadPolicy (params too: ZeRO-3 + offload)"][0]
-    fsdp = rows["torch FSDP2 fully_shard, AdamW fused"][0]
+                 "host memory); on this machine both are the same RAM. " + protocol.PROTOCOL_NOTE)
+    off = "stage 2 + offload, host AdamW fused"
+    fsdp_off, fsdp = "torch FSDP2 + CPUOffloadPolicy (params too: ZeRO-3 + offload)", "torch FSDP2 fully_shard, AdamW fused"
     headlines = [
-        ("CPU AdamW: fused / for-loop, speed", f"{base / speeds['torch.optim.AdamW fused']:.1f}",
-         "ZeRO-Offload's point: a vectorised host Adam is several times faster (paper: > 5x)"),
-        ("zerolab HostOptimizer: effective bandwidth / memory-bandwidth ceiling", f"{28 * numel / host / bw:.2f}",
-         "Adam is memory-bound; 1.0 would be as fast as any CPU Adam can be"),
-        (f"stage 2 + offload / stage 2, step time, {world_size} ranks", f"{off[0] / ref:.2f}",
-         f"device model states {off[1]['device'] / dev[1]['device']:.2f}x; on a CPU-only machine the "
-         "'host link' is a memory copy"),
-        (f"FSDP2 + CPUOffloadPolicy / FSDP2, step time, {world_size} ranks", f"{fsdp_off / fsdp:.2f}",
-         "torch's offload (parameters too), measured beside zerolab's"),
+        protocol.headline("CPU AdamW: for-loop / fused, step time (the fused kernel's speed-up)",
+                          protocol.ratio(times, "torch.optim.AdamW for-loop", "torch.optim.AdamW fused"),
+                          below="the for-loop faster", above="the fused kernel faster",
+                          note="ZeRO-Offload's point: a vectorised host Adam is several times faster (paper: > 5x)"),
+        protocol.headline(f"zerolab HostOptimizer.step (bf16 in/out, one pass) / torch fused AdamW (fp32), step time, "
+                          f"{numel / 1e6:.1f}M params", protocol.ratio(times, HOST, "torch.optim.AdamW fused"),
+                          reference=TARGET, below=f"within the target <= {TARGET}", above=f"misses the target <= {TARGET}",
+                          note=f"with the casts as separate passes: "
+                               f"{protocol.ratio(times, HOST_TORCH, 'torch.optim.AdamW fused')}"),
+        protocol.headline("zerolab HostOptimizer.step (one pass): effective bandwidth / its memory ceiling",
+                          fractions[HOST], reference=1.0, below="below the ceiling", above="ABOVE THE CEILING",
+                          crosses="at the ceiling, out of the noise",
+                          note=f"torch's fused AdamW: {fractions['torch.optim.AdamW fused']}; Adam is memory-bound"),
+        protocol.headline(f"stage 2 + offload / stage 2, step time, {world_size} ranks", protocol.ratio(steps_t, off, ref),
+                          below="offload faster", above="offload slower",
+                          note=f"device model states {placement[off]['device'] / placement[ref]['device']:.2f}x; on a "
+                               "CPU-only machine the 'host link' is a memory copy"),
+        protocol.headline(f"FSDP2 + CPUOffloadPolicy / FSDP2, step time, {world_size} ranks",
+                          protocol.ratio(steps_t, fsdp_off, fsdp), below="offload faster", above="offload slower",
+                          note="torch's offload (parameters too), measured beside zerolab's"),
     ]
     return Section("\n".join(lines) + "\n", headlines)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4, help="timed blocks of 2 steps per contender")
+    ap.add_argument("--steps", type=int, default=7, help="timed rounds (blocks of 2 steps per contender)")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--adam-mparams", type=float, default=33.5, help="parameters for the CPU Adam table, millions")
+    ap.add_argument("--adam-rounds", type=int, default=9, help="timed rounds of the CPU Adam table")
     args = ap.parse_args()
-    print(main(args.steps, args.world_size, args.adam_mparams))
+    print(main(args.steps, args.world_size, args.adam_mparams, args.adam_rounds))

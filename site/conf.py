@@ -11,7 +11,8 @@ import shutil
 
 project = "zerolab"
 author = "the zerolab authors"
-copyright = "zerolab authors, MIT licence"
+copyright = ("the zerolab authors. Code: MIT License; lessons' text and figures, guides and documentation: "
+             "CC BY 4.0")
 
 extensions = [
     "myst_nb",               # .ipynb and .md (MyST) pages; outputs as committed
@@ -41,7 +42,8 @@ _MATHJAX_FILES = ["tex-chtml.js", "input", "output/chtml", "ui", "a11y"]
 html_theme = "sphinx_book_theme"
 html_title = "zerolab"
 html_favicon = "_static/favicon.svg"   # else the browser asks for /favicon.ico and logs a 404
-html_static_path = []
+html_static_path = ["_static"]     # zerolab.css, the favicon
+html_css_files = ["zerolab.css"]
 html_context = {"default_mode": "light"}   # the figures have white backgrounds; the reader can switch
 html_last_updated_fmt = None
 html_copy_source = False       # no _sources/ copies of 300 kB notebooks

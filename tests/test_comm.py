@@ -7,6 +7,7 @@ import torch.distributed as dist
 from zerolab import comm, ring
 
 SIZES = [1, 5, 17, 1000, 4099]  # smaller than N, and not divisible by 2, 3 or 4
+PIECES = [ring.PIECE_BYTES // 8 * 2 + 3]   # float64 chunks of several pieces (a reduce-scatter step's unit)
 
 
 def rings_match_torch(sizes):
@@ -22,8 +23,10 @@ def rings_match_torch(sizes):
         big = torch.randn(numel * n, generator=g, dtype=torch.float64)
         rs_ref, rs = torch.empty(numel, dtype=torch.float64), torch.empty(numel, dtype=torch.float64)
         comm.reduce_scatter(rs_ref, big.clone())
+        before = big.clone()
         ring.ring_reduce_scatter(rs, big)
         torch.testing.assert_close(rs, rs_ref, rtol=1e-12, atol=1e-12)
+        assert torch.equal(big, before), "ring_reduce_scatter wrote into its input"
 
         ag_ref, ag = torch.empty(numel * n, dtype=torch.float64), torch.empty(numel * n, dtype=torch.float64)
         comm.all_gather(ag_ref, x)
@@ -34,7 +37,9 @@ def rings_match_torch(sizes):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_ring_collectives_equal_torch(clusters, world_size):
-    assert all(clusters(world_size).run(rings_match_torch, SIZES))
+    """Uneven chunks (sizes no world size divides), chunks that arrive in several pieces, and a
+    reduce-scatter that leaves its input as it was."""
+    assert all(clusters(world_size).run(rings_match_torch, SIZES + PIECES))
 
 
 def logged_bytes(numel):
@@ -45,7 +50,8 @@ def logged_bytes(numel):
            "all_gather": lambda: comm.all_gather(torch.empty(numel * n), x),
            "reduce_scatter": lambda: comm.reduce_scatter(torch.empty(numel // n), x),
            "broadcast": lambda: comm.broadcast(x, 0),
-           "ring_all_reduce": lambda: ring.ring_all_reduce(x)}
+           "ring_all_reduce": lambda: ring.ring_all_reduce(x),
+           "ring_reduce_scatter": lambda: ring.ring_reduce_scatter(torch.empty(numel // n), x)}
     for name, op in ops.items():
         dist.barrier()
         with comm.log() as log:
@@ -67,6 +73,7 @@ def test_bytes_on_the_wire_match_ring_formulas_and_the_kernel_count(clusters, wo
         # gloo emulates reduce_scatter with an all_reduce: twice the ideal ring's bytes
         assert got["reduce_scatter"][:2] == (2 * ring_ * S, ring_ * S)
         assert got["ring_all_reduce"][:2] == (2 * ring_ * S, 2 * ring_ * S)
+        assert got["ring_reduce_scatter"][:2] == (ring_ * S, ring_ * S)      # half gloo's
         children = {2: [1, 0], 4: [2, 1, 0, 0]}[n][rank]  # binomial tree rooted at rank 0
         assert got["broadcast"][0] == children * S
         # measurement: bytes this process wrote to its sockets, within 1% (+ a few headers)

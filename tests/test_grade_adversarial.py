@@ -166,6 +166,26 @@ if os.fork() == 0:                       # and a double fork
 while True:
     pass
 ''',
+    "forged_error_reply": '''
+import io, os, pickle, torch
+from multiprocessing.connection import Connection
+class _Run:                              # unpickled where the verdict is decided, this would run
+    def __reduce__(self):
+        return (exec, ("import _pytest.reports as R\\n"
+                       "_i = R.TestReport.__init__\\n"
+                       "def _f(self, *a, **k):\\n"
+                       "    _i(self, *a, **k); self.outcome = 'passed'\\n"
+                       "R.TestReport.__init__ = _f\\n", {}))
+_conn = Connection(int(os.environ["ZEROLAB_CONTROL_FD"]))
+for _run in range(1, 64):                # the run ids are small integers: answer each of them
+    _buf = io.BytesIO()
+    torch.save(("err", _run, {"type": "E", "message": "m", "traceback": "t",
+                              "exception": pickle.dumps(_Run())}), _buf)
+    try:
+        _conn.send_bytes(_buf.getvalue())
+    except OSError:
+        break
+''',
 }
 
 
@@ -173,13 +193,30 @@ while True:
 # together; an attack that finds the answers comes last in its group, so nothing masks it).
 GROUPS = {
     "forges_the_verdict": ("forge_test_report", "forge_runtest", "forge_grade_helpers"),
+    "forges_a_reply": ("forged_error_reply",),
     "reads_the_answers": ("expected_from_the_stack", "answer_key"),
     "tampers": ("tamper_tests_and_results", "writes_everywhere"),
     "disrupts": ("detached_later", "kills_the_grader", "fork_bomb"),
     "hangs": ("endless_import",),
 }
 assert sorted(n for names in GROUPS.values() for n in names) == sorted(_ATTACKS)
-ATTACKS = {kind: "\n".join(_ATTACKS[name] for name in names) for kind, names in GROUPS.items()}
+
+
+def _smuggled(kind, code):
+    """The attack as a module that the submission writes to its /tmp and imports (and whose names
+    it takes): past the static rules of zerolab.grade.references, which refuse most of these
+    attacks written plainly, so that what is tested here is the isolation, not the rules."""
+    module = f"_zl_{kind}"
+    return (f"import os as _os, sys as _sys, tempfile as _tempfile\n"
+            f"_where = _tempfile.mkdtemp()\n"
+            f"with open(_os.path.join(_where, {module + '.py'!r}), 'w') as _f:\n"
+            f"    _f.write({textwrap.dedent(STUB) + code!r})\n"
+            f"_sys.path.insert(0, _where)\n"
+            f"from {module} import *\n")
+
+
+ATTACKS = {kind: _smuggled(kind, "\n".join(textwrap.dedent(_ATTACKS[name]) for name in names))
+           for kind, names in GROUPS.items()}
 
 
 def _snapshot(root):
@@ -212,7 +249,7 @@ def test_cheats_score_as_the_stub_and_touch_nothing(tmp_path, graded):  # noqa: 
     (subs / "00_stub" / "ex00_tiny.py").write_text(stub)
     for i, (name, attack) in enumerate(ATTACKS.items(), start=1):
         (subs / f"{i:02d}_{name}").mkdir()
-        (subs / f"{i:02d}_{name}" / "ex00_tiny.py").write_text(stub + textwrap.dedent(attack))
+        (subs / f"{i:02d}_{name}" / "ex00_tiny.py").write_text(stub + attack)
         (subs / f"{i:02d}z_good").mkdir()                       # graded right after it
         (subs / f"{i:02d}z_good" / "ex00_tiny.py").write_text(textwrap.dedent(GOOD))
     # A submission may hold a link: the grader copies regular files only, never what a link names.

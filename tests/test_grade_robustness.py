@@ -227,9 +227,10 @@ def test_a_deadlock_in_one_exercise_leaves_the_next_its_share(tmp_path, graded):
 
 
 def test_reference_implementation_found_at_run_time_scores_the_exercise_zero(tmp_path, graded):
-    # Built at run time, invisible to the static check; double() is honest, but the exercise scores 0.
+    # Reached through an alias the static check does not follow (zerolab.quantize loads zerolab.ring);
+    # double() is honest, but the exercise scores 0.
     cheat = GOOD.replace("    dist.all_reduce(t)",
-                         "    import importlib\n    importlib.import_module('zerolab.' + 'ring').ring_all_reduce(t)")
+                         "    import zerolab.quantize\n    z = zerolab\n    z.ring.ring_all_reduce(t)")
     r, data, _ = grade(submission(tmp_path, cheat), tests=graded)
     assert data["score"] == 0
     for t in data["tests"]:
@@ -237,8 +238,11 @@ def test_reference_implementation_found_at_run_time_scores_the_exercise_zero(tmp
 
 
 def test_solutions_are_not_importable_by_a_submission(tmp_path, graded):
-    # Even with the checkout on PYTHONPATH, and a name the static check cannot see.
-    peek = GOOD.replace("    return 2 * x", "    import importlib\n    importlib.import_module('solu' + 'tions')\n"
+    # Even with the checkout on PYTHONPATH, and an import the static check cannot see (a module the
+    # submission writes and imports).
+    peek = GOOD.replace("    return 2 * x", "    import os, sys, tempfile\n    d = tempfile.mkdtemp()\n"
+                                           "    open(os.path.join(d, 'peek.py'), 'w').write('import solutions')\n"
+                                           "    sys.path.insert(0, d)\n    import peek\n"
                                            "    return 2 * x")
     r, data, _ = grade(submission(tmp_path, peek), tests=graded, env={"PYTHONPATH": str(REPO)})
     assert "No module named 'solutions'" in by_name(data)["test_double"]["output"]

@@ -109,14 +109,33 @@ def test_one_changed_english_sentence_fails_the_gate_and_names_the_cell(tmp_path
     assert i18n.check(repo=repo).ok
 
 
+def _join_before_split(repo, first, second):
+    """The state before tools/slides.py split a cell at its heading: cells ``first`` (prose) and
+    ``second`` (starting with a heading) as one cell ``first``, in the notebook and in its catalog,
+    with the two translations joined the same way."""
+    path = repo / "i18n" / "zh_CN" / f"{LESSON}.po"
+    po = i18n.load_catalog(path)
+    a, b = (next(e for e in po if e.msgctxt == f"{LESSON}#{cid}") for cid in (first, second))
+    a.msgid, a.msgstr = a.msgid + "\n\n" + b.msgid, a.msgstr + "\n\n" + b.msgstr
+    po.remove(b)
+    i18n.save_catalog(po, path)
+
+    def join(nb):
+        one, two = _cell(nb, first), _cell(nb, second)
+        one["source"] = i18n.split_source(i18n.source(one) + "\n\n" + i18n.source(two))
+        nb["cells"].remove(two)
+    _edit_notebook(repo, LESSON, join)
+    assert i18n.check(repo=repo).ok
+    return a.msgid
+
+
 def test_removed_new_and_split_cells(tmp_path):
     repo = _copy(tmp_path, notebooks=(LESSON,))
-    nb = i18n.read_notebook(repo / "notebooks" / f"{LESSON}.ipynb")
-    first = "bf0de310"                 # prose, then "## 2. The four collectives": split it there
-    text = i18n.source(_cell(nb, first))
+    first, second = "bf0de310", "5167a224"   # prose, then "## 2. The four collectives"
+    text = _join_before_split(repo, first, second)
     head, tail = text.split("## 2.", 1)
 
-    def edit(nb):
+    def edit(nb):                             # split again (under a new id), add a cell, remove one
         index = nb["cells"].index(_cell(nb, first))
         _cell(nb, first)["source"] = i18n.split_source(head.rstrip("\n"))
         nb["cells"].insert(index + 1, {"cell_type": "markdown", "id": "c0ffee01", "metadata": {},
@@ -125,6 +144,7 @@ def test_removed_new_and_split_cells(tmp_path):
                                "source": ["A new cell nobody has translated."]})
         nb["cells"].remove(_cell(nb, "33e2f39f"))
     _edit_notebook(repo, LESSON, edit)
+    saved = (repo / "i18n" / "zh_CN" / f"{LESSON}.po").read_text(encoding="utf-8")
     i18n.update(repo=repo, say=lambda *a: None)
     po = {e.msgctxt.split("#")[1]: e for e in i18n.load_catalog(repo / "i18n" / "zh_CN" / f"{LESSON}.po")}
     assert po["c0ffee02"].msgstr == "" and not po["c0ffee02"].obsolete           # new: untranslated
@@ -142,7 +162,7 @@ def test_removed_new_and_split_cells(tmp_path):
     assert kinds == {("c0ffee02", "untranslated"), ("33e2f39f", "obsolete"), (first, "stale"),
                      ("c0ffee01", "stale")}
     # --accept-splits: the exact cuts are current; what is really new or gone still fails
-    shutil.copy(ROOT / "i18n" / "zh_CN" / f"{LESSON}.po", repo / "i18n" / "zh_CN")
+    (repo / "i18n" / "zh_CN" / f"{LESSON}.po").write_text(saved, encoding="utf-8")
     i18n.update(repo=repo, say=lambda *a: None, accept_splits=True)
     kinds = {(w.split("#")[1], what.split(":")[0]) for w, what in i18n.check(repo=repo).problems}
     assert kinds == {("c0ffee02", "untranslated"), ("33e2f39f", "obsolete")}
@@ -313,3 +333,32 @@ def test_a_cell_split_and_edited_is_offered_its_sections_with_their_own_diff():
     b = merged["x#b"]
     assert "fuzzy" in b.flags and b.msgstr.startswith("## 练习") and "介绍" not in b.msgstr
     assert b.previous_msgid == en_run and b.previous_msgctxt == "x#a"
+
+
+def test_make_lab_in_chinese_makes_the_students_own_copy_and_never_overwrites_it(tmp_path):
+    """`make lab COURSE_LANG=zh` (tools/i18n.py lab): make lab's copy rule, on the Chinese lessons."""
+    (tmp_path / "checkout").mkdir()
+    repo = _copy(tmp_path / "checkout")
+    (repo / "exercises").mkdir()
+    stub = ROOT / "exercises" / "ex00_collectives.py"
+    shutil.copy(stub, repo / "exercises")
+    dest, said = tmp_path / "mywork-zh", []
+    i18n.lab(dest, repo=repo, say=said.append)
+    lesson = dest / "notebooks" / f"{LESSON}.ipynb"
+    assert i18n.source(i18n.read_notebook(lesson)["cells"][0]).startswith("# 第 00 课")     # Chinese
+    assert (dest / "notebooks" / f"{OTHER}.ipynb").is_file()                          # English, not yet translated
+    assert (dest / "exercises" / stub.name).read_bytes() == stub.read_bytes()         # the student's own stub
+    # the student's work is never overwritten, even when the translation changes
+    lesson.write_text(lesson.read_text(encoding="utf-8").replace("第 00 课", "第 00 课（我的）"), encoding="utf-8")
+    (dest / "exercises" / stub.name).write_text("# my answer\n", encoding="utf-8")
+    path = repo / "i18n" / "zh_CN" / f"{LESSON}.po"
+    path.write_text(path.read_text(encoding="utf-8").replace("集合通信：rank 之间如何对话", "集合通信"),
+                    encoding="utf-8")
+    said.clear()
+    i18n.lab(dest, repo=repo, say=said.append)
+    assert "（我的）" in lesson.read_text(encoding="utf-8")
+    assert (dest / "exercises" / stub.name).read_text(encoding="utf-8") == "# my answer\n"
+    assert any("make lab COURSE_LANG=zh" in line for line in said), said     # how to take the new one
+    # never into the checkout's own folders
+    with pytest.raises(ValueError, match="checkout's own folder"):
+        i18n.lab(repo / "notebooks", repo=repo, say=said.append)

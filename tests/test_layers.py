@@ -17,7 +17,7 @@ LAYERS = [
     ("model parallelism", {"tensor_parallel", "pipeline"}),
     ("machinery", {"engine", "checkpoint"}),
     ("stages", {"zero0", "zero1", "zero2", "zero3", "hybrid", "fully_sharded"}),
-    ("offload", {"offload", "infinity"}),
+    ("offload", {"offload", "cpu_adam", "infinity"}),
     ("entry point", {"stages"}),
     ("tools", {"cost", "calibrate", "demo", "calculator", "plots", "timeline", "train", "convergence",
                "cost_parallel", "tiers", "bandwidth_centric"}),

@@ -5,6 +5,7 @@ for the delayed parameter update, and the closed-form placement of ZeRO-Offload 
 gradients + KΨ/N of optimizer state; 2Ψ/N bytes each way per step). GPU tests (real
 torch.cuda.max_memory_allocated savings, pinned host buffers) are skipped without CUDA.
 """
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import zerolab
 from helpers import assert_params
 from reference import batch, build, reference, train
-from zerolab import models
+from zerolab import cpu_adam, models
 from zerolab.memory import model_state_placement
 
 LR = 1e-3
@@ -24,12 +25,14 @@ def _buckets(name):
 
 
 def _three_ways():
-    """On every rank, for each model/stage/precision: (plain, offload for-loop Adam, offload fused)."""
+    """On every rank, for each model/stage/precision: (plain, offload for-loop Adam, offload with the
+    default kernel (zerolab.cpu_adam where it builds), offload with torch's fused kernel and the casts)."""
     out = {}
     for name in ("mlp", "gpt"):
         for stage in (1, 2, 3):
             for pdt in (None, torch.bfloat16):
-                ways = ({}, {"offload": "optimizer", "fused": False}, {"offload": "optimizer"})
+                ways = ({}, {"offload": "optimizer", "fused": False}, {"offload": "optimizer"},
+                        {"offload": "optimizer", "fused": True})
                 out[name, stage, pdt] = [train(name, 2, stage=stage, dtype=torch.float32, param_dtype=pdt, lr=LR,
                                                bucket_bytes=_buckets(name), **kw) for kw in ways]
     return out
@@ -39,16 +42,18 @@ def _three_ways():
 def test_same_parameters_as_the_stage_without_offload(clusters, world_size):
     """fp32 and bf16-mixed, stages 1, 2 (several buckets) and 3, ToyMLP (frozen layer, module used twice,
     uneven sizes) and TinyGPT (tied weights): with the same (for-loop) CPU AdamW the offloaded
-    engine is BIT-identical to the non-offloaded one; with torch's fused CPU AdamW (the default under
-    offload) the kernel rounds differently: fp32 within 1e-5 after 2 steps (Adam's first steps
-    amplify ulps where v is tiny), bf16 within one bf16 rounding of the result."""
+    engine is BIT-identical to the non-offloaded one; with a fused kernel (the default under offload,
+    zerolab.cpu_adam's one pass, and torch's fused AdamW with the casts around it) the kernel rounds
+    differently: fp32 within 1e-5 after 2 steps (Adam's first steps amplify ulps where v is tiny),
+    bf16 within one bf16 rounding of the result."""
     per_rank = clusters(world_size).run(_three_ways)
     for (name, stage, pdt) in per_rank[0]:
         what = f"{name} stage {stage} {pdt or 'fp32'} N={world_size}"
-        plain, same_kernel, fused = zip(*[r[name, stage, pdt] for r in per_rank])
+        plain, same_kernel, default, torch_fused = zip(*[r[name, stage, pdt] for r in per_rank])
         assert_params(same_kernel, plain, what + " offload (for-loop AdamW)", exact=True)
         tol = 1e-5 if pdt is None else 1e-2
-        assert_params(fused, plain, what + " offload (fused AdamW)", atol=tol, rtol=tol)
+        assert_params(default, plain, what + " offload (default kernel)", atol=tol, rtol=tol)
+        assert_params(torch_fused, plain, what + " offload (torch's fused AdamW)", atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -64,10 +69,10 @@ def test_float64_equals_one_process_with_accumulation(clusters, world_size):
         assert_params(states, expected, f"stage {stage} no_sync={no_sync}", atol=1e-10, rtol=1e-10)
 
 
-def _placement(stage, param_dtype):
+def _placement(stage, param_dtype, **kernel):
     kw = {"units": []} if stage == 3 else {}                 # stage 3: one unit, the root
     engine = zerolab.initialize(build("gpt", torch.float32), stage=stage, lr=LR, param_dtype=param_dtype,
-                                offload="optimizer", bucket_bytes=None, **kw)  # one flat buffer: the formula's padding
+                                offload="optimizer", bucket_bytes=None, **kw, **kernel)  # one flat buffer
     before = dict(engine.host_traffic())
     x, y = batch("gpt", 0, dist.get_rank())
     engine.backward(engine(x, y))
@@ -78,6 +83,7 @@ def _placement(stage, param_dtype):
     psi = sum(p.numel() for p in dict.fromkeys(engine.module.parameters()))
     host = engine.state_tensors()
     return {"placement": engine.placement(), "psi": psi, "device_grads": device_grads_after_backward,
+            "one_pass": [h.one_pass is not None for h in engine.host_optimizers()],
             "traffic": {k: after[k] - before[k] for k in after},
             "kinds": {k: [t.device.type for t in v] for k, v in host.items()},
             "separate": {t.untyped_storage().data_ptr() for t in host["master"] + host["optimizer"]
@@ -89,29 +95,35 @@ def _placement(stage, param_dtype):
 def test_placement_by_role_matches_zero_offload(clusters, world_size):
     """Device and host bytes of each rank equal ZeRO-Offload's split (padded to a multiple of N):
     stage 2 device = params only (2Ψ bf16 / 4Ψ fp32), host = grad shard + master + moments; stage 1
-    keeps its full gradient on the device; stage 3 keeps only its parameter shard there (2Ψ/N). In bf16 the host also keeps a 4Ψ/N fp32 gradient workspace
-    for the optimizer (not in the paper's accounting; DeepSpeed keeps fp32 host gradients too). The host-side tensors are storages of their own (never the
-    device params, fp32 included), and each step moves exactly one shard each way."""
+    keeps its full gradient on the device; stage 3 keeps only its parameter shard there (2Ψ/N). With
+    the default kernel (zerolab.cpu_adam, where a C compiler with OpenMP can build it) that is all, as in
+    the paper; with torch's fused kernel (fused=True) in bf16 the host also keeps a 4Ψ/N fp32 gradient
+    workspace for it (DeepSpeed keeps fp32 host gradients too). The host-side tensors are storages of
+    their own (never the device params, fp32 included), and each step moves exactly one shard each way."""
     c = clusters(world_size)
     n = world_size
+    compiler = cpu_adam.load() is not None      # a C compiler with OpenMP here (CI: maybe not)
     for stage in (1, 2, 3):
         for pdt in (None, torch.bfloat16):
-            r = c.run(_placement, stage, pdt)
-            shard = -(-r[0]["psi"] // n)
-            word = 2 if pdt else 4
-            theory = model_state_placement(r[0]["psi"], n, stage, mixed_precision=pdt is not None,
-                                           offload=True, padded=True)
-            for rank, got in enumerate(r):
-                what = f"stage {stage} {pdt or 'fp32'} rank {rank}/{n}"
-                workspace = 4 * shard if pdt else 0             # the fp32 gradient Adam reads (bf16 only)
-                assert got["placement"] == {"device": sum(theory["device"].values()),
-                                            "host": sum(theory["host"].values()) + workspace}, (what, got["placement"], theory)
-                assert got["traffic"] == {"to_host": word * shard, "to_device": word * shard}, (what, got["traffic"])
-                assert got["separate"], f"{what}: a host tensor shares storage with the device params"
-                if stage >= 2:
-                    assert got["device_grads"] == 0, f"{what}: {got['device_grads']} B of gradients left on the device"
-                else:
-                    assert got["device_grads"] == word * shard * n, what
+            for kernel in ({}, {"fused": True}):
+                r = c.run(_placement, stage, pdt, **kernel)
+                shard = -(-r[0]["psi"] // n)
+                word = 2 if pdt else 4
+                theory = model_state_placement(r[0]["psi"], n, stage, mixed_precision=pdt is not None,
+                                               offload=True, padded=True)
+                for rank, got in enumerate(r):
+                    what = f"stage {stage} {pdt or 'fp32'} {kernel or 'default kernel'} rank {rank}/{n}"
+                    one_pass = not kernel and compiler
+                    assert got["one_pass"] == [one_pass], (what, got["one_pass"])
+                    workspace = 4 * shard if pdt and not one_pass else 0   # the fp32 gradient torch's kernel reads
+                    assert got["placement"] == {"device": sum(theory["device"].values()),
+                                                "host": sum(theory["host"].values()) + workspace}, (what, got["placement"], theory)
+                    assert got["traffic"] == {"to_host": word * shard, "to_device": word * shard}, (what, got["traffic"])
+                    assert got["separate"], f"{what}: a host tensor shares storage with the device params"
+                    if stage >= 2:
+                        assert got["device_grads"] == 0, f"{what}: {got['device_grads']} B of gradients left on the device"
+                    else:
+                        assert got["device_grads"] == word * shard * n, what
 
 
 def _dpu_result(engine):
@@ -191,6 +203,99 @@ def test_host_optimizer_fused_and_fallback():
     opt, fused = host_optimizer(t, torch.optim.AdamW, lr=1e-3, foreach=True)
     assert not fused and opt.param_groups[0]["foreach"]
     assert host_optimizer(t, torch.optim.AdamW, fused=False, lr=1e-3)[1] is False
+
+
+def _host_run(numel, shard_dtype, grad_dtype, *, kernel, steps=3, inv_scale=1.0, delayed=False, seed=0):
+    """HostOptimizer alone, one process: ``steps`` updates of a random shard from random gradients (spread
+    over eight decades, some tiny: where v is tiny the update amplifies an ulp). Returns it, flushed."""
+    from zerolab.offload import HostOptimizer
+    gen = torch.Generator().manual_seed(seed)
+    shard = torch.randn(numel, generator=gen).to(shard_dtype)
+    host = HostOptimizer(shard, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, grad_dtype=grad_dtype, **kernel)
+    host.delayed = delayed
+    for _ in range(steps):
+        host.zero_grad()
+        g = torch.randn(numel, generator=gen) * 10.0 ** torch.randint(-7, 2, (numel,), generator=gen)
+        host.to_host(0, g.to(grad_dtype))
+        host.step(inv_scale=inv_scale)
+    host.flush()
+    return host
+
+
+def _ulps(a, b):
+    """The largest distance between a and b in units in the last place (same dtype, finite)."""
+    ints = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return (a.view(ints).long() - b.view(ints).long()).abs().max().item()
+
+
+@pytest.mark.parametrize("shard_dtype,grad_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                    (torch.float32, torch.float32)])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_one_pass_kernel_equals_torch_fused_adamw(shard_dtype, grad_dtype, delayed):
+    """The default host kernel (zerolab.cpu_adam: gradient read and parameter written in the same pass)
+    against torch's own fused AdamW followed by the casts (fused=True), on the same data, with weight
+    decay and a loss scale: master, moments, step count and the compute-dtype shard BIT-identical on
+    a size a whole number of vectors (64 elements), and within one rounding on a ragged size (torch's
+    last few elements run in a scalar loop its compiler fuses differently), over 3 steps."""
+    from zerolab import cpu_adam
+    if cpu_adam.load() is None:
+        pytest.skip("no C compiler here: the default kernel is torch's (tested by the tests above)")
+    for numel, exact in ((64 * 1000, True), (1000 * 7 + 3, False)):
+        ours = _host_run(numel, shard_dtype, grad_dtype, kernel={}, inv_scale=0.5, delayed=delayed)
+        torchs = _host_run(numel, shard_dtype, grad_dtype, kernel={"fused": True}, inv_scale=0.5, delayed=delayed)
+        assert ours.one_pass is not None and torchs.one_pass is None
+        a, b = ours.optimizer.state[ours.master[0]], torchs.optimizer.state[torchs.master[0]]
+        assert a["step"].item() == b["step"].item() == 3
+        pairs = {"master": (ours.master[0], torchs.master[0]), "exp_avg": (a["exp_avg"], b["exp_avg"]),
+                 "exp_avg_sq": (a["exp_avg_sq"], b["exp_avg_sq"]), "shard": (ours.shards[0], torchs.shards[0])}
+        for what, (x, y) in pairs.items():
+            if exact:
+                assert torch.equal(x, y), f"{what}, {numel} elements: not bit-identical to torch's fused AdamW"
+            else:
+                assert _ulps(x, y) <= 1, f"{what}, {numel} elements: {_ulps(x, y)} ulps from torch's fused AdamW"
+        assert torch.equal(ours.shards[0], ours.master[0].to(shard_dtype)), "the shard is not the master, cast"
+
+
+def test_one_pass_kernel_fallback_and_bad_input(monkeypatch):
+    """Where the kernel cannot be built (a compiler that does not exist) load() says None, and the
+    host optimizer then runs torch's fused kernel with the casts: the same numbers as fused=True.
+    Tensors the kernel cannot take raise a ValueError naming them."""
+    from zerolab import cpu_adam
+    assert cpu_adam.load(compiler="/nonexistent/cc") is None
+    monkeypatch.setattr(cpu_adam, "load", lambda compiler=None: None)
+    fallback = _host_run(64 * 50, torch.bfloat16, torch.bfloat16, kernel={})
+    torchs = _host_run(64 * 50, torch.bfloat16, torch.bfloat16, kernel={"fused": True})
+    assert fallback.one_pass is None and fallback.workspace is not None
+    assert torch.equal(fallback.master[0], torchs.master[0]) and torch.equal(fallback.shards[0], torchs.shards[0])
+    monkeypatch.undo()
+    lib = cpu_adam.load()
+    if lib is not None:
+        p, v = torch.zeros(8), torch.zeros(8)
+        with pytest.raises(ValueError, match="float16"):
+            cpu_adam.adamw_(lib, p, torch.zeros(8, dtype=torch.float16), v, v.clone(), step=1, lr=1e-3,
+                            beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        with pytest.raises(ValueError, match="one size"):
+            cpu_adam.adamw_(lib, p, torch.zeros(9), v, v.clone(), step=1, lr=1e-3, beta1=0.9, beta2=0.999,
+                            eps=1e-8, weight_decay=0.0)
+
+
+def test_one_pass_kernel_a_failing_compiler_is_tried_once(tmp_path, monkeypatch):
+    """A compiler that exists but cannot build the kernel (no OpenMP, say) gives None, the fallback,
+    and is not run again on the next load (each HostOptimizer asks): once per flag set, then marked."""
+    import platform
+    from zerolab import cpu_adam
+    if platform.system() != "Linux":
+        pytest.skip("the kernel is built on Linux only")
+    calls = tmp_path / "calls"
+    fake = tmp_path / "fakecc"
+    fake.write_text(f"#!/bin/sh\necho run >> {calls}\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cpu_adam.load(compiler=str(fake)) is None
+    first = calls.read_text().count("run")
+    assert first == len(cpu_adam.FLAG_SETS)
+    assert cpu_adam.load(compiler=str(fake)) is None
+    assert calls.read_text().count("run") == first, "the failing compiler ran again"
 
 
 def _bad_delayed():

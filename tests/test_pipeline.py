@@ -182,3 +182,41 @@ def refusals(case):
 def test_bad_input_is_refused_by_name(clusters, case, words):
     got = clusters(2).run(refusals, case)[0]
     assert got is not None and words in got, got
+
+
+def emulated(schedule, m, forward_s):
+    """Emulated stages (sleeping compute) on every rank, one step; each compute span's length."""
+    from zerolab.timeline import Timeline
+    p, s = dist.get_world_size(), dist.get_rank()
+    shape = (2, 3)
+    g = torch.Generator().manual_seed(0)
+    xs, ys = [torch.randn(shape, generator=g) for _ in range(m)], [torch.randn(shape, generator=g) for _ in range(m)]
+    tl = Timeline()
+    dist.barrier()
+    tl.reset()
+    with comm.log(timeline=tl):
+        run = P.train_step(P.EmulatedStage(forward_s, 2 * forward_s), m, schedule, inputs=xs, targets=ys,
+                           loss_fn=lambda o, y: ((o - y) ** 2).mean(), shape=shape, dtype=torch.float32)
+    spans = [sp for sp in tl.collect() if sp.category == "compute"]
+    return [(sp.name, sp.seconds) for sp in spans], run.peak_in_flight
+
+
+def test_emulated_stages_sleep_their_compute_and_keep_the_schedule(clusters):
+    """EmulatedStage: each forward span lasts at least forward_s, each backward 2 x forward_s; the
+    schedule's bound on what a stage holds is unchanged (sleeping stands in for compute only)."""
+    for s, (spans, peak) in enumerate(clusters(2).run(emulated, "1f1b", 3, 0.01)):
+        assert len(spans) == 6
+        for name, seconds in spans:
+            assert seconds >= (0.01 if name.startswith("F") else 0.02) * 0.99, (s, name, seconds)
+        assert peak == cp.in_flight(2, 3, s, "1f1b")
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        P.EmulatedStage(-1, 0)
+
+
+def test_plot_schedule_draws_every_span():
+    import matplotlib
+    matplotlib.use("Agg")
+    sim = P.simulate(P.orders("1f1b", 4, 8))
+    ax = P.plot_schedule(sim, title="1F1B")
+    assert sum(len(c.get_paths()) for c in ax.collections) == 4 * 2 * 8      # a bar per forward and backward
+    assert ax.get_xlim() == (0, sim["end"])

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import threading
 from unittest import mock
@@ -54,7 +55,12 @@ def _html(site, rel):
 def test_every_lesson_is_a_page_linked_from_the_landing_page(site):
     index = _html(site, "index.html")
     readme_title = (REPO / "README.md").read_text(encoding="utf-8").splitlines()[0][2:]
-    assert readme_title.split(" — ")[0] in index and "The two commands" in index and "JupyterLab options" in index
+    assert readme_title.split(" — ")[0] in index and "Take the course" in index and "Teach it" in index
+    assert "JupyterLab options" not in index, "the reference sections belong on the Reference page"
+    reference = _html(site, "reference.html")
+    for section in ("JupyterLab options", "Troubleshooting", "Checkpoints", "The code: modules and API"):
+        assert section in reference, f"{section!r} is not on the Reference page"
+    assert 'href="reference.html#troubleshooting"' in index, "README's #troubleshooting must lead there"
     for nb in NOTEBOOKS:
         assert (site / "notebooks" / f"{nb.stem}.html").is_file(), f"no page for {nb.name}"
         assert f'href="notebooks/{nb.stem}.html"' in index, f"the landing page does not link {nb.name}"
@@ -63,6 +69,31 @@ def test_every_lesson_is_a_page_linked_from_the_landing_page(site):
     for ex in sorted((REPO / "exercises").glob("ex[0-9][0-9]_*.py")):
         assert ex.name in exercises
     assert (site / ".nojekyll").is_file(), "GitHub Pages would hide _static/ without .nojekyll"
+
+
+def test_the_presenter_guides_and_both_licences_are_on_the_site(site):
+    index = _html(site, "index.html")
+    assert 'href="presenter/README.html"' in index
+    for guide in sorted((REPO / "presenter").glob("*.md")):
+        page = site / "presenter" / f"{guide.stem}.html"
+        assert page.is_file(), f"no page for presenter/{guide.name}"
+    assert "Slide notes" in _html(site, "presenter/03_zero1.html")
+    assert "MIT License" in index and "CC BY 4.0" in index                    # the footer, every page
+    assert "Creative Commons Attribution 4.0" in index                        # README's licence line
+    assert (site / "AGENTS.html").is_file()
+
+
+def test_lesson_pages_leave_out_the_presenter_notes_and_link_stubs_to_the_exercises_page(site):
+    exercises = _html(site, "exercises.html")
+    for nb in NOTEBOOKS:
+        page = _html(site, f"notebooks/{nb.stem}.html")
+        assert "Presenter notes" not in page, f"{nb.name}: the decks' notes are on the lesson page"
+        number = nb.name.split("_")[0]
+        stubs = sorted((REPO / "exercises").glob(f"ex{number}_*.py"))
+        for stub in stubs:
+            links = re.findall(r'href="\.\./exercises\.html#([^"]+)"', page)
+            assert links, f"{nb.name}: its Exercises section does not link {stub.name} on the site"
+            assert all(f'id="{anchor}"' in exercises for anchor in links)
 
 
 def test_the_built_site_is_whole_and_needs_no_network(site):
@@ -98,9 +129,13 @@ TINY_README = """# Tiny course
 
 What it is.
 
-## The two commands
+## Take the course
 
 `make lab`
+
+## Teach it
+
+With the slides.
 
 ## The lessons
 
@@ -243,6 +278,58 @@ def test_the_site_in_a_browser_landing_lesson_images_math_and_next(site, request
             page.wait_for_timeout(500)
             assert not errors, "\n".join(errors)
             assert not elsewhere, f"the site fetched from other hosts: {elsewhere}"
+        except Exception:
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=False)
+            raise
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine")
+def test_a_wide_output_shows_that_it_goes_on(site, request):
+    """Lessons print tables up to ~330 characters wide: they scroll inside their box. Where scrollbars
+    are hidden until one scrolls (macOS, phones, and headless Chromium, used here), the box must still
+    show that the text goes on: a shadow at the edge where more text is, and none at an edge reached.
+    Read from the pixels of the box's top padding (no text there), on every lesson page."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import io
+    from PIL import Image
+
+    def edges(page, index):
+        box = page.locator("div.cell_output pre").nth(index)
+        box.scroll_into_view_if_needed()
+        shot = Image.open(io.BytesIO(box.screenshot())).convert("L")
+        w = shot.size[0]
+        return shot.getpixel((2, 3)), shot.getpixel((w // 2, 3)), shot.getpixel((w - 3, 3))
+
+    with _serve(site) as base, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            checked = 0
+            for nb in NOTEBOOKS:
+                page.goto(f"{base}/notebooks/{nb.stem}.html", wait_until="load")
+                wide = page.evaluate("""() => [...document.querySelectorAll('div.cell_output pre')]
+                    .map((p, i) => [i, p.scrollWidth - p.clientWidth]).filter(([i, extra]) => extra > 40)""")
+                if not wide:
+                    continue
+                index = wide[0][0]
+                left, middle, right = edges(page, index)
+                assert right < middle - 8 and abs(left - middle) <= 2, (
+                    f"{nb.name}: a wide output's right edge shows no shadow (left, middle, right: "
+                    f"{left}, {middle}, {right})")
+                page.evaluate(f"() => {{ const p = document.querySelectorAll('div.cell_output pre')[{index}]; "
+                              f"p.scrollLeft = p.scrollWidth; }}")
+                left, middle, right = edges(page, index)
+                assert left < middle - 8 and abs(right - middle) <= 2, (
+                    f"{nb.name}: scrolled to its end, the shadow should move to the left edge "
+                    f"(left, middle, right: {left}, {middle}, {right})")
+                checked += 1
+            assert checked >= 5, f"only {checked} lesson(s) with a wide output: this test checks little"
         except Exception:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=False)

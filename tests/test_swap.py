@@ -74,6 +74,24 @@ def test_atomic_write_leaves_old_or_new(tmp_path):
     assert path.read_bytes() == b"new" and sorted(p.name for p in tmp_path.iterdir()) == ["m.json"]
 
 
+@pytest.mark.parametrize("code, raised", [(5, True), (22, False)])   # EIO is raised; EINVAL (no folder fsync) is not
+def test_atomic_write_reports_a_failed_folder_fsync(tmp_path, monkeypatch, code, raised):
+    path = tmp_path / "manifest.json"
+    real = os.fsync
+
+    def fsync(fd):
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(code, os.strerror(code))
+        return real(fd)
+    monkeypatch.setattr(aio.os, "fsync", fsync)
+    if raised:
+        with pytest.raises(OSError):
+            aio.atomic_write(path, b"new")
+    else:
+        aio.atomic_write(path, b"new")
+    assert path.read_bytes() == b"new"          # the rename happened either way; only its durability is in doubt
+
+
 # -- zerolab.chunked ---------------------------------------------------------------------------
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

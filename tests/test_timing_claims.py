@@ -12,7 +12,8 @@ measured time is printed by the cell that measures, or holds for either outcome)
     "whichever", "whether"), or speaks of other hardware or of a prediction ("GPU", "NCCL",
     "predicted", "cost model"). A question states no direction and is let through.
 
-A sentence ends at . ! ? and at blank lines and line breaks that start a bullet or a heading. The
+A heading line is a title, not a sentence of the commentary (the text under it is). A sentence
+ends at . ! ? and at blank lines and line breaks that start a bullet or a heading. The
 rule is deliberately blunt: where prose must state a direction about this machine, the cell that
 measures prints that sentence from its numbers (and the prose points at it). Fast: committed
 notebooks, no kernel. Run on the notebooks as they were before issue 32's fixes (commit 6f3c5d7), it
@@ -57,15 +58,27 @@ def sentences(markdown):
     return [" ".join(p.split()) for p in parts if p and p.strip()]
 
 
+def without_headings(markdown):
+    """``markdown`` less its heading lines (``#`` to ``######``, outside code blocks). A heading is a
+    title that names a section's topic, often the paper's own name for a design (lesson 13's
+    "## 6. Overlap-centric design (Sec. 6.2)"), not a sentence about the timing above it; the text
+    under the heading stays commentary (lesson 06's "the paper (Sec. 5.2) overlaps them" is still
+    caught), and so does a bold lead-in (lesson 05's "**Why prefetch ... faster here.**")."""
+    blocks = re.split(r"(```.*?```)", markdown, flags=re.S)
+    return "".join(b if b.startswith("```") else re.sub(r"^#{1,6} .*$", "", b, flags=re.M) for b in blocks)
+
+
 def directional_claims(cells):
     """[(index of the markdown cell, the sentence)] for every sentence of a timing cell's
     commentary that states a direction and does not say what it rests on."""
     found, after_timing = [], False
     for i, cell in enumerate(cells):
+        if "presenter-notes" in cell.get("metadata", {}).get("tags", []):
+            continue          # a presenter guide's notes (tools/slides.py), not the lesson's prose
         if cell["cell_type"] == "code":
             after_timing = is_timing_cell(cell)
         elif cell["cell_type"] == "markdown" and after_timing:
-            found += [(i, s) for s in sentences(_text(cell["source"]))
+            found += [(i, s) for s in sentences(without_headings(_text(cell["source"])))
                       if DIRECTION.search(s) and not EITHER_WAY.search(s) and not s.rstrip("*_ ").endswith("?")]
     return found
 
@@ -100,6 +113,12 @@ def test_the_rule_catches_and_spares():
     spared = [_timing("12 ms\n"), _md("The line printed above says whether prefetch made the step faster. "
                                       "On a GPU, NCCL hides the gathers. No longer needed.")]
     assert directional_claims(spared) == []
+    headed = [_timing("12 ms\n"), _md("## 6. Overlap-centric design (Sec. 6.2)\n\nThe paper (Sec. 5.2) overlaps them.")]
+    assert [s for _, s in directional_claims(headed)] == ["5.2) overlaps them."]
+    notes = {"cell_type": "markdown", "source": "**Presenter notes** (hidden in the slideshow)",
+             "metadata": {"tags": ["presenter-notes", "remove-cell"]}}
+    assert [s for _, s in directional_claims([_timing("12 ms\n"), notes, _md("It is faster.")])] == [
+        "It is faster."], "a notes cell is skipped, and the lesson's prose after it is still checked"
     untimed = [{"cell_type": "code", "source": "# NBVAL_IGNORE_OUTPUT\nprint(x)",
                 "outputs": [{"output_type": "stream", "text": "RSS 307 MB\n"}]}, _md("It is faster.")]
     assert directional_claims(untimed) == []

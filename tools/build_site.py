@@ -1,5 +1,6 @@
 """Build the course website: every lesson as committed (outputs and figures as they are; nothing is
-executed), README's opening sections as the landing page, the exercises and the benchmark results.
+executed), README's opening sections as the landing page and the rest as a Reference page, the
+exercises, the presenter guides and the benchmark results.
 
     python tools/build_site.py              # -> _site/ (what `make site` runs)
     python tools/build_site.py --out DIR
@@ -7,10 +8,13 @@ executed), README's opening sections as the landing page, the exercises and the 
 Three steps, each of which fails the build:
 1. stage the sources in build/site/src, the repository's layout kept (so a link that works on
    GitHub, e.g. README's `benchmarks/RESULTS.md`, works on the site): the notebooks with their
-   ipywidgets frozen to a static snapshot (see `freeze_widgets`), the landing page from README.md,
-   an exercises page that includes the stubs;
+   ipywidgets frozen to a static snapshot (see `freeze_widgets`) and their links to exercise stubs
+   pointed at the exercises page, the landing page and the Reference page from README.md (its links
+   to its own sections pointed at the page that holds each), an exercises page that includes the
+   stubs, presenter/ as it is;
 2. Sphinx + MyST-NB (site/conf.py) with -W --keep-going: any warning (a broken cross-reference, an
-   unreadable image, a bad toctree entry) fails it;
+   unreadable image, a bad toctree entry) fails it; cells tagged `remove-cell` (the decks' presenter
+   notes) are left out;
 3. tools/check_site.py on the built HTML: every internal link, anchor, image, script and stylesheet
    resolves to a file of the site, and nothing is loaded from the network.
 The output folder is a static site for GitHub Pages (with .nojekyll) or any web server.
@@ -34,9 +38,15 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # README sections shown on the landing page, in README's order (matched by the start of the heading);
-# the text before the first section (what the course is) always comes first.
-LANDING_SECTIONS = ("The two commands", "The lessons")
+# the text before the first section (what the course is) always comes first. Every other section but
+# the exercises' makes the Reference page, in README's order.
+LANDING_SECTIONS = ("Take the course", "Teach it", "The lessons")
 EXERCISES_SECTION = "Exercises and grading"
+# Files of the checkout the README links to, published as they are (downloads, not pages).
+LINKED_FILES = ("LICENSE", "LICENSE-CC-BY-4.0")
+# A lesson's link to its stub (../exercises/exNN_name.py: the student's copy in the lab, the file on
+# GitHub) leads, on the site, to that stub on the exercises page.
+STUB_LINK = re.compile(r"\]\(\.\./exercises/(ex\d\d[a-z]?_\w+\.py)\)")
 WIDGET_NOTE = ("*A frozen copy of an interactive widget.* Its controls call Python, so they need a "
                "running kernel: open this lesson in JupyterLab (`make lab`) to use them. Below, the "
                "widget as it was when the lesson was executed: {controls}.")
@@ -189,26 +199,75 @@ def link_lessons(table_text, notebooks):
     return re.sub(r"^\| (\d\d[a-z]?) \|([^|]+)\|", link, table_text, flags=re.M)
 
 
-def landing_page(readme, notebooks, exercises):
+def _slug(title):
+    """The anchor MyST gives a heading (GitHub's rule), as README's own links use it."""
+    from myst_parser.slugs import github_slugify
+    return github_slugify(title)
+
+
+def _relink(text, sections):
+    """README's links to its own sections (#anchor), pointed at the site page that holds each."""
+    where = {_slug(h): ("exercises.md" if h.startswith(EXERCISES_SECTION) else
+                        "" if h.startswith(LANDING_SECTIONS) else "reference.md") for h in sections}
+
+    def target(match):
+        anchor = match.group(1)
+        page = where.get(anchor)
+        if page is None:
+            raise SiteError(f"README.md links to #{anchor}, which is no section of it")
+        if page == "exercises.md" and anchor == _slug(EXERCISES_SECTION):
+            return "](exercises.md)"
+        return f"]({page}#{anchor})"
+    return re.sub(r"\]\(#([\w-]+)\)", target, text)
+
+
+def landing_page(readme, notebooks, exercises, guides=()):
     title, intro, sections = readme_sections(readme)
-    body = [title, intro]
+    body = [title, _relink(intro, sections)]
     for start in LANDING_SECTIONS:
-        text = _section(sections, start)
+        text = _relink(_section(sections, start), sections)
         body.append(link_lessons(text, notebooks) if start == "The lessons" else text)
     body.append("## On this site\n\n"
                 "* **The lessons**, one page each (sidebar, or the table above), as committed: the outputs "
                 "and figures measured when each lesson was last executed. To run them, `make lab`.\n"
                 f"* **[The exercises](exercises.md)**: the {len(exercises)} stubs you complete, and how they are graded.\n"
+                + ("* **[The presenter guide](presenter/README.md)**: a 50-minute class, a 3-lecture sequence, "
+                   "and notes for every slide of every lesson.\n" if guides else "") +
+                "* **[Reference](reference.md)**: the code's modules and API, checkpoints, set-up, the slides, "
+                "the website, troubleshooting.\n"
                 "* **[Benchmark results](benchmarks/RESULTS.md)**: what `make bench` measured.\n\n")
     lessons = "\n".join(f"notebooks/{nb.stem}" for nb in notebooks)
-    body.append(f"```{{toctree}}\n:hidden:\n:caption: Lessons\n\n{lessons}\n```\n\n"
-                "```{toctree}\n:hidden:\n:caption: More\n\nexercises\nbenchmarks/RESULTS\nCHANGELOG\n```\n")
+    body.append(f"```{{toctree}}\n:hidden:\n:caption: Lessons\n\n{lessons}\n```\n\n")
+    if guides:
+        entries = "\n".join(f"presenter/{g.stem}" for g in guides)
+        body.append(f"```{{toctree}}\n:hidden:\n:caption: Teach it\n\n{entries}\n```\n\n")
+    more = "exercises\nreference\nbenchmarks/RESULTS\nCHANGELOG" + ("\nAGENTS" if "AGENTS.md" in readme else "")
+    body.append(f"```{{toctree}}\n:hidden:\n:caption: More\n\n{more}\n```\n")
     return "".join(body)
+
+
+def reference_page(readme):
+    """Every README section that is neither on the landing page nor the exercises page's."""
+    _, _, sections = readme_sections(readme)
+    body = ["# Reference\n\nThe README's reference sections: the code, set-up in detail, the slides, "
+            "the website, troubleshooting.\n\n"]
+    for heading, text in sections.items():
+        if not heading.startswith(LANDING_SECTIONS) and not heading.startswith(EXERCISES_SECTION):
+            body.append(_relink(text, sections))
+    return "".join(body)
+
+
+def link_stubs(nb):
+    """Point each markdown link to ../exercises/exNN_*.py at that stub on the exercises page."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            cell.source = STUB_LINK.sub(lambda m: f"](../exercises.md#{_slug(m.group(1))})", cell.source)
 
 
 def exercises_page(readme, notebooks, exercises):
     _, _, sections = readme_sections(readme)
-    intro = _section(sections, EXERCISES_SECTION).split("\n", 1)[1]   # README's text, its own title dropped
+    intro = _relink(_section(sections, EXERCISES_SECTION).split("\n", 1)[1], sections)   # its own title dropped
+    intro = intro.replace("](exercises.md#", "](#")
     lessons = {nb.name[:2]: nb for nb in notebooks}
     body = ["# Exercises\n", intro]
     for ex in exercises:
@@ -241,16 +300,24 @@ def stage(src, repo=REPO):
     if not notebooks:
         raise SiteError("no notebooks/NN_*.ipynb to publish")
     readme = (repo / "README.md").read_text(encoding="utf-8")
+    guides = sorted((repo / "presenter").glob("*.md"), key=lambda g: (g.stem != "README", g.stem))
     staged = {}
     for path in notebooks:
         nb = nbformat.read(path, as_version=4)
         freeze_widgets(nb, where=f"notebooks/{path.name}")
+        link_stubs(nb)
         staged[f"notebooks/{path.name}"] = nbformat.writes(nb)
     for path in exercises:
         staged[f"exercises/{path.name}"] = path.read_bytes()
+    for path in guides:
+        staged[f"presenter/{path.name}"] = path.read_bytes()
     staged["benchmarks/RESULTS.md"] = (repo / "benchmarks" / "RESULTS.md").read_bytes()
     staged["CHANGELOG.md"] = (repo / "CHANGELOG.md").read_bytes()     # README links to it
-    staged["index.md"] = landing_page(readme, notebooks, exercises)
+    for name in LINKED_FILES + ("AGENTS.md",):
+        if (repo / name).is_file():
+            staged[name] = (repo / name).read_bytes()
+    staged["index.md"] = landing_page(readme, notebooks, exercises, guides)
+    staged["reference.md"] = reference_page(readme)
     staged["exercises.md"] = exercises_page(readme, notebooks, exercises)
     for rel, data in staged.items():
         _write(src / rel, data)

@@ -5,6 +5,7 @@ build that swaps in the translated prose, and the gate that keeps the translatio
     python tools/i18n.py update                     # after editing an English lesson: merge its changes into the .po files
     python tools/i18n.py init notebooks/01_memory_anatomy.ipynb   # start translating a lesson (an empty .po)
     python tools/i18n.py build [--out build/zh] [--with-english]  # `make zh`: the Chinese lessons
+    python tools/i18n.py lab [mywork-zh]             # `make lab COURSE_LANG=zh`: the student's own copy
 
 The English notebooks in notebooks/ stay the only source of code. A translation is one file per
 lesson, ``i18n/<lang>/<notebook stem>.po``, with one entry per markdown cell:
@@ -27,8 +28,10 @@ cell whose entry is translated and current; it touches nothing else (cell order,
 outputs, metadata, tags), so a zh notebook cannot differ from the English in a code cell. A cell
 whose entry is stale or untranslated stays English in the build (and ``check`` fails). A lesson
 with no .po is "not yet translated": listed, not a failure; ``--with-english`` puts its English
-notebook in the tree too (what `make lab COURSE_LANG=zh` opens). A notebook in the output folder
-that was changed since this tool wrote it (a student ran it, saving outputs) is never overwritten.
+notebook in the tree too. A notebook in the output folder that was changed since this tool wrote
+it is never overwritten. ``lab`` builds that tree (build/zh, a mirror of the checkout's layout) and
+makes the student's copy from it with `make lab`'s own copy rule (tools/jupyter/mywork.py), in a
+folder of its own (mywork-zh/: lessons and exercise stubs copied once, never overwritten).
 
 ``check`` fails on: a notebook with a missing or duplicate cell id; a .po without its notebook; an
 untranslated, fuzzy or obsolete entry, or one whose English no longer matches the notebook (the
@@ -534,6 +537,31 @@ def build(out_dir, *, lang="zh_CN", with_english=False, repo=REPO, say=print):
     return written
 
 
+def lab(dest, *, lang="zh_CN", repo=REPO, say=print):
+    """`make lab COURSE_LANG=zh`: the student's own copy of the course in ``dest`` (default
+    mywork-zh/), made by make lab's own copy rule (tools/jupyter/mywork.py: lessons and exercise
+    stubs copied once and never overwritten, course material refreshed), from a mirror of the
+    checkout in build/zh whose notebooks/ are the translated lessons (and the English of those not
+    yet translated)."""
+    repo = pathlib.Path(repo).resolve()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "jupyter"))
+    import mywork                                    # noqa: E402  (make lab's copy rule: tools/jupyter/)
+    dest = pathlib.Path(dest).resolve()
+    inside = dest.relative_to(repo).parts if repo in dest.parents else ()
+    if dest == repo or inside and inside[0] in mywork.COURSE_FOLDERS + ("build", "i18n"):
+        raise ValueError(f"MYWORK={dest} is the checkout's own folder: choose a folder of its own "
+                         f"(the default is {repo / 'mywork-zh'})")
+    mirror = repo / "build" / "zh"
+    build(mirror, lang=lang, with_english=True, repo=repo, say=say)
+    for name in ("presenter",):                      # the rest of the layout mywork.sync reads
+        link, target = mirror / name, repo / name
+        if target.exists() and not link.exists() and not link.is_symlink():
+            link.symlink_to(target, target_is_directory=True)
+    for line in mywork.sync(dest, repo=mirror):
+        say(line.replace("&& make lab", "&& make lab COURSE_LANG=zh"))
+    return dest
+
+
 # ---------------------------------------------------------------------------------------------
 # Check
 # ---------------------------------------------------------------------------------------------
@@ -710,6 +738,9 @@ def main(argv=None):
     p_build.add_argument("--out", default=None, help="default: REPO/build/zh")
     p_build.add_argument("--with-english", action="store_true",
                          help="also the lessons not yet translated, in English")
+    p_lab = sub.add_parser("lab", parents=[common],
+                           help="`make lab COURSE_LANG=zh`: make or update the student's copy DEST")
+    p_lab.add_argument("dest", nargs="?", default=None, help="default: REPO/mywork-zh")
     args = parser.parse_args(argv)
     repo = pathlib.Path(args.repo)
     if args.command == "check":
@@ -721,6 +752,13 @@ def main(argv=None):
         return 0
     if args.command == "init":
         print(init(args.notebook, lang=args.lang, repo=repo))
+        return 0
+    if args.command == "lab":
+        try:
+            lab(args.dest or repo / "mywork-zh", lang=args.lang, repo=repo)
+        except (ValueError, OSError) as exc:
+            print(f"make lab: {exc}", file=sys.stderr)
+            return 1
         return 0
     out = pathlib.Path(args.out) if args.out else repo / "build" / "zh"
     written = build(out, lang=args.lang, with_english=args.with_english, repo=repo)

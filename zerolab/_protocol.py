@@ -32,6 +32,10 @@ from multiprocessing.connection import Connection, wait
 
 STARTUP_TIMEOUT = 180.0  # importing torch in 4 processes on 2 busy cores can take a while
 GRACE = 2.0  # after one rank fails, how long the others get to finish on their own
+_LINE_BYTES = 64 * 1024  # a longer line of a rank's output is kept as several
+_KEEP_CHARS = 16 << 20   # characters kept per stream between two runs (the last lines)
+_ERR_KEYS = {"type", "message", "traceback", "exception"}
+_ERR_CHARS = 200_000     # an isolated rank's error text, at most (its last characters)
 _END = "\x1ezerolab-end:"  # the worker's end-of-run marker on stdout/stderr (see _worker._marker)
 # A worker's exit status when the rank's code closed its stdout or stderr (zerolab/_worker.py exits
 # with it; zerolab.launch names it). Outside the codes Python and the shells use (1, 2, 126-128+n).
@@ -56,6 +60,7 @@ class _Rank:
     def __init__(self, rank, proc, conn):
         self.rank, self.proc, self.conn = rank, proc, conn
         self.lines = {"stdout": [], "stderr": []}
+        self.chars = {"stdout": 0, "stderr": 0}
         self.ended = {"stdout": -1, "stderr": -1}  # last run id whose end marker was read
         self.cond = threading.Condition()
         self.readers = [threading.Thread(target=self._read, args=(name, stream), daemon=True)
@@ -64,16 +69,37 @@ class _Rank:
             t.start()
 
     def _read(self, name, stream):
-        for raw in iter(stream.readline, b""):
-            line = raw.decode("utf-8", "replace").rstrip("\n")
+        # Bounded: a line is read in pieces of at most _LINE_BYTES and each stream keeps its last
+        # last _KEEP_CHARS characters, so a rank that prints gigabytes (with or without newlines)
+        # costs this
+        # process a fixed amount of memory.
+        piece = b""
+        for raw in iter(lambda: stream.readline(_LINE_BYTES), b""):
+            piece += raw
+            if not raw.endswith(b"\n") and len(piece) < _LINE_BYTES:
+                continue  # the rest of this line is on its way
+            line, piece = piece.decode("utf-8", "replace").rstrip("\n"), b""
             with self.cond:
                 if _END in line:
                     head, _, tail = line.partition(_END)
                     if head:
                         self.lines[name].append(head)
-                    self.ended[name] = int(tail.strip("\x1e"))
+                    try:
+                        self.ended[name] = int(tail.strip("\x1e"))
+                    except ValueError:
+                        self.lines[name].append(line)
                 else:
                     self.lines[name].append(line)
+                self.chars[name] += len(line)
+                if self.chars[name] > _KEEP_CHARS:
+                    kept, size = self.lines[name], 0
+                    for i in range(len(kept) - 1, -1, -1):
+                        size += len(kept[i])
+                        if size > _KEEP_CHARS // 2:
+                            break
+                    del kept[:i + 1]
+                    kept.insert(0, f"[earlier output of {name} dropped: more than {_KEEP_CHARS >> 20} MB]")
+                    self.chars[name] = sum(map(len, kept))
                 self.cond.notify_all()
         with self.cond:
             self.ended[name] = float("inf")  # EOF: the process (and all its group) is gone
@@ -87,6 +113,7 @@ class _Rank:
                 self.cond.wait(max(0.0, deadline - time.monotonic()))
             out = self.lines
             self.lines = {"stdout": [], "stderr": []}
+            self.chars = {"stdout": 0, "stderr": 0}
         return out
 
 
@@ -175,9 +202,15 @@ class Ranks:
         if not (isinstance(message, tuple) and message and message[0] in ("ready", "ok", "err")
                 and (message[0] == "ready" or (len(message) == 3 and isinstance(message[1], int)))):
             raise _Garbled(f"not a reply: {type(message).__name__}")
-        if message[0] == "err" and not (isinstance(message[2], dict) and all(
-                isinstance(message[2].get(k), str) for k in ("type", "message", "traceback"))):
-            raise _Garbled("an error reply without its type, message and traceback")
+        if message[0] == "err":
+            body = message[2]
+            if not (isinstance(body, dict) and set(body) <= _ERR_KEYS and all(
+                    isinstance(body.get(k), str) for k in ("type", "message", "traceback"))
+                    and body.get("exception") is None):
+                raise _Garbled("an error reply other than its type, message and traceback as text")
+            # text only, and bounded: nothing in an untrusted error is ever unpickled or grows here
+            message = ("err", message[1], {k: body[k][-_ERR_CHARS:] for k in ("type", "message", "traceback")}
+                       | {"exception": None})
         return message
 
     @property

@@ -22,6 +22,7 @@ where the kernel honours the advice. What a buffered read after a write really m
 """
 import concurrent.futures
 import contextlib
+import errno
 import os
 import pathlib
 import threading
@@ -221,7 +222,11 @@ class DiskFile:
 
 def atomic_write(path, data):
     """Write ``data`` (bytes) to ``path`` so that a reader sees either the old file or the whole new
-    one, even across a crash: a temporary name, fsync, rename (atomic on POSIX), fsync of the folder."""
+    one, even across a crash: a temporary name, fsync, rename (atomic on POSIX), fsync of the folder.
+
+    An error of the folder's fsync is raised (the rename happened, but may not survive a power loss:
+    reporting the write as done would let a caller overwrite what the old file names), except EINVAL,
+    which file systems that cannot sync a folder return: there the rename is as durable as they make it."""
     path = pathlib.Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -234,12 +239,14 @@ def atomic_write(path, data):
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    with contextlib.suppress(OSError):           # the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    fd = os.open(path.parent, os.O_RDONLY)       # the rename itself durable
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
 
 
 # -- background I/O ------------------------------------------------------------------------------

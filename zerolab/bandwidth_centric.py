@@ -1,9 +1,12 @@
 """Bandwidth-centric partitioning (Rajbhandari et al., ZeRO-Infinity, arXiv 2104.07857, Sec. 6.1):
 how a parameter that lives off the device gets to every rank.
 
-* owner + broadcast (ZeRO-Offload's and ZeRO-3's way for a parameter owned by one rank): the owner
-  reads the WHOLE parameter from its host memory or disk over its own link, then broadcasts it.
-  Every read goes through ONE link, whatever the number of ranks.
+* owner + broadcast (the paper's description, Sec. 6.1, of the original ZeRO design and ZeRO-Offload
+  for a parameter owned by one rank): the owner reads the WHOLE parameter from its host memory or
+  disk over its own link, then broadcasts it. Every read goes through ONE link, whatever the number
+  of ranks. (DeepSpeed's ZeRO-3 as released already splits every parameter across all ranks and
+  all-gathers it: ``_partition_param``, ``all_gather_coalesced`` in
+  ``deepspeed/runtime/zero/partition_parameters.py``.)
 * read 1/N + all-gather (ZeRO-Infinity's): every parameter is split across all data-parallel ranks;
   each reads only its 1/N over its own link, then the ranks all-gather. N links read in parallel, so
   the aggregate read bandwidth grows with N (the paper: each GPU's PCIe link is ~12 GB/s, so 16

@@ -265,27 +265,30 @@ class MemoryCalculator:
         if device_gb is None:                      # default: the chosen GPU's memory
             device_gb = _hardware(hardware)[0].device_memory / GB
         style = {"description_width": "9em"}
+        # Wide enough for the longest choice after the 9em description ("mixed (bf16/fp16 + fp32
+        # master)" needs about 17em with the dropdown's arrow): ipywidgets' default, 300px, cut it.
+        wide = dict(style=style, layout=w.Layout(width="28em"))
         self.controls = {
             "num_params": w.FloatLogSlider(value=num_params, base=10, min=6, max=12.5, step=0.001,
                                            readout_format=".3g", description="parameters Ψ",
-                                           style=style),
+                                           **wide),
             "world_size": w.BoundedIntText(value=world_size, min=1, max=1_000_000,
-                                           description="ranks N", style=style),
+                                           description="ranks N", **wide),
             "stage": w.Dropdown(options=[(f"{v} (stage {s})", s) for s, v in STAGE_NAMES.items()],
-                                value=stage, description="ZeRO stage", style=style),
+                                value=stage, description="ZeRO stage", **wide),
             "precision": w.Dropdown(options=[("mixed (bf16/fp16 + fp32 master)", "mixed"),
                                              ("fp32", "fp32")],
-                                    value=precision, description="precision", style=style),
+                                    value=precision, description="precision", **wide),
             "optimizer": w.Dropdown(options=[("Adam / AdamW", "adam"), ("SGD + momentum", "sgd-momentum"),
                                              ("SGD", "sgd")],
-                                    value=optimizer, description="optimizer", style=style),
+                                    value=optimizer, description="optimizer", **wide),
             "offload": w.Checkbox(value=offload, description="CPU offload (ZeRO-Offload)"),
             "device_gb": w.BoundedFloatText(value=device_gb, min=0.1, max=1e5,
-                                            description="device GB", style=style),
+                                            description="device GB", **wide),
             "hardware": w.Dropdown(options=list(HARDWARE), value=hardware, description="at scale on",
-                                   style=style),
+                                   **wide),
             "tokens_per_gpu": w.BoundedIntText(value=tokens_per_gpu, min=1, max=10**9,
-                                               description="tokens per GPU", style=style),
+                                               description="tokens per GPU", **wide),
         }
         self.image = w.Image(format="png")
         self.message = w.HTML()

@@ -142,8 +142,8 @@ def table(results, world_size):
     rows.append("state = params + grads + optimizer states on the compute device (measured, each storage "
                 "once); theory = ZeRO's formula; +pad = zero padding of the flat shards.")
     rows.append("host = what offload keeps on the host (gradient shard, fp32 master, Adam moments; "
-                "ZeRO-Offload, arXiv 2101.06840; with --bf16 also a 4Ψ/N fp32 gradient workspace the "
-                "theory leaves out), by role: on a CPU-only machine both are the same RAM.")
+                "ZeRO-Offload, arXiv 2101.06840; with --bf16 where zerolab.cpu_adam cannot be built (no C "
+                "compiler) also a 4Ψ/N fp32 gradient workspace the theory leaves out), by role: on a CPU-only machine both are the same RAM.")
     rows.append("wire = bytes one rank sends per step: as logged by zerolab.comm (gloo's reduce-scatter "
                 "counts as the all-reduce it runs), the ideal ring (theory), and the socket count (measured).")
     for spec, r in results.items():
@@ -179,9 +179,18 @@ def figures(results, world_size):
         out.append((fname, fig))
     fig, axes = plt.subplots(len(specs), 1, figsize=(9, 1.2 + 1.0 * len(specs) * world_size ** 0.5),
                              sharex=True)
-    for ax, s in zip(axes if len(specs) > 1 else [axes], specs):
+    axes = list(axes) if len(specs) > 1 else [axes]
+    shown = set()
+    for i, (ax, s) in enumerate(zip(axes, specs)):
         plot_timeline(results[s]["timeline"], ax=ax, title=f"stage {s}: one step", label_spans=False,
                       colors=PHASE_COLORS)
+        if i < len(axes) - 1:
+            ax.set_xlabel("")                # one time axis for the shared x: the bottom panel's
+        legend = ax.get_legend()
+        labels = {t.get_text() for t in legend.get_texts()} if legend else set()
+        if legend and labels <= shown:
+            legend.remove()                  # the same phases in every panel: say it once
+        shown |= labels
     fig.tight_layout()
     out.append(("timeline.png", fig))
     return out
@@ -202,15 +211,27 @@ def save_figures(results, world_size, out):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="zerolab demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--stages", nargs="+", default=list(DEFAULT_STAGES))
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--batch-size", type=int, default=4, help="per rank")
-    ap.add_argument("--d-model", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--bf16", action="store_true", help="mixed precision: bf16 params/grads, fp32 master")
-    ap.add_argument("--out", default="demo-output", help="folder for the figures")
+    ap = argparse.ArgumentParser(
+        prog="zerolab demo", description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=2, metavar="N",
+                    help="ranks to start (default 2; CPU ranks with gloo, or nccl with one GPU per rank)")
+    ap.add_argument("--stages", nargs="+", default=list(DEFAULT_STAGES), metavar="STAGE",
+                    help="what to compare, in order: 0 (data parallelism), 1, 2 or 3, a ZeRO stage with "
+                         "CPU offload written as 2+offload (default: " + " ".join(DEFAULT_STAGES) + ")")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="training steps per stage; step time is the median of all but the first "
+                         "(default 5)")
+    ap.add_argument("--batch-size", type=int, default=4,
+                    help="sequences per rank per step (default 4)")
+    ap.add_argument("--d-model", type=int, default=64,
+                    help="TinyGPT's width; its parameters grow roughly with its square (default 64)")
+    ap.add_argument("--layers", type=int, default=2, help="TinyGPT's blocks (default 2)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="mixed precision: bf16 parameters and gradients, fp32 master and Adam moments "
+                         "(default: fp32 throughout)")
+    ap.add_argument("--out", default="demo-output", metavar="FOLDER",
+                    help="folder for the figures: memory.png, comm.png, timeline.png (default demo-output)")
     args = ap.parse_args(argv)
     for spec in args.stages:
         try:

@@ -227,7 +227,13 @@ class Cluster:
         iso = self.isolation
         store_dir = tempfile.mkdtemp(prefix="zerolab-", dir=iso.scratch if iso else None)
         if iso and iso.scratch:
-            os.chmod(store_dir, 0o777)  # a sandboxed rank may run as another (unprivileged) user
+            # a sandboxed rank may run as another (unprivileged) user. Through a descriptor opened
+            # without following links: the folder sits where running ranks can write.
+            fd = os.open(store_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                os.fchmod(fd, 0o777)
+            finally:
+                os.close(fd)
         setup = {"sys_path": list(sys.path), "threads": self.threads, "backend": self.backend,
                  "store_path": os.path.join(store_dir, "store"),
                  "pg_timeout": self.timeout + _PG_MARGIN, "plain": iso is not None}
@@ -361,6 +367,8 @@ class Cluster:
         ranks = sorted(died) + sorted(errors) + (stuck if not (errors or died) else [])
         exceptions = {}
         for rank, e in errors.items():
+            if self._ranks is not None and self._ranks.plain:
+                continue  # isolated ranks are not trusted: their errors are text, never unpickled
             if e.get("local"):
                 exceptions[rank] = e["exception"]
                 continue

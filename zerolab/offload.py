@@ -37,7 +37,7 @@ import threading
 
 import torch
 
-from zerolab import comm
+from zerolab import comm, cpu_adam
 from zerolab.shard_optim import ShardOptimizer, master_dtype
 from zerolab.zero1 import Zero1Engine
 from zerolab.zero2 import Zero2Engine
@@ -68,6 +68,20 @@ def host_optimizer(params, optimizer_class, *, fused=None, **opt_kwargs):
     return optimizer_class(params, fused=fused, **opt_kwargs), bool(fused)
 
 
+def one_pass_kernel(optimizer, fused):
+    """zerolab.cpu_adam's compiled one-pass AdamW (see that module) when it can run ``optimizer``'s
+    update: a torch.optim.AdamW on torch's fused CPU kernel (``fused=None``, the default: asked for
+    nothing else), one param group of fp32 tensors, no amsgrad, maximize or differentiable; the
+    kernel then reads and writes the optimizer's own state (step, exp_avg, exp_avg_sq), as torch's
+    fused kernel does. None otherwise, or where no C compiler can build it (torch's kernels then run)."""
+    groups = optimizer.param_groups
+    if (fused is not None or type(optimizer) is not torch.optim.AdamW or len(groups) != 1
+            or not groups[0]["fused"] or groups[0]["amsgrad"] or groups[0]["maximize"]
+            or groups[0]["differentiable"] or any(p.dtype != torch.float32 for p in groups[0]["params"])):
+        return None
+    return cpu_adam.load()
+
+
 class HostOptimizer(ShardOptimizer):
     """A :class:`~zerolab.shard_optim.ShardOptimizer` whose master, moments, gradient shard and
     update live on the host. ``shards``: this rank's device shard(s), compute dtype; ``init``: their
@@ -76,6 +90,13 @@ class HostOptimizer(ShardOptimizer):
 
     ``grad_dtype``: the host gradient shard's dtype (default the shards'; the engines pass their
     ``reduce_dtype``, so an fp32-reduced gradient is not rounded on its way to the host).
+
+    The update's kernel (``self.one_pass``; ``fused`` as for :func:`host_optimizer`): by default, for
+    AdamW, one pass over memory that reads the host gradient shard in its own dtype and writes the
+    shard in the compute dtype in the same loop (:mod:`zerolab.cpu_adam`: 28 bytes per parameter in
+    bf16, what torch's fused AdamW moves in fp32); where that kernel cannot be built, or with any
+    other optimizer, torch's kernel, with the gradient cast up into an fp32 workspace before it and
+    the master cast down after it (40 bytes per parameter in bf16).
 
     Delayed parameter update (``delayed = True``; paper Sec. 5.2): :meth:`step` starts the host
     update in a background thread and returns; the device runs the NEXT forward/backward on the
@@ -100,8 +121,12 @@ class HostOptimizer(ShardOptimizer):
         self.optimizer, self.fused = host_optimizer(self.master, optimizer_class, fused=fused, **opt_kwargs)
         sizes = [s.numel() for s in self.shards]
         self.grad_flat = host_buffer(sum(sizes), grad_dtype or self.shards[0].dtype, like=self.shards[0])
+        self.one_pass = (one_pass_kernel(self.optimizer, fused)    # the compiled kernel, or None
+                         if self.grad_flat.dtype in cpu_adam.DTYPE_NAMES else None)
         self.grads = list(self.grad_flat.split(sizes))          # the host gradient shard(s)
-        self.workspace = None                                   # fp32 gradient for the optimizer
+        self.workspace = None                                   # the gradient the update reads, if a copy
+        self._inputs, self._inv_scale = None, 1.0               # what the next _update reads
+        self._cast = set()                                      # shards the last update already wrote
         self._fresh = [True] * len(self.shards)                 # no gradient arrived since zero_grad
         self._unread = False                                    # gradients arrived, not yet stepped
         self._copied = None                                     # CUDA event after the last copy
@@ -161,10 +186,8 @@ class HostOptimizer(ShardOptimizer):
                 self.to_host(i, g)
         self._landed()
         self.wait()                                           # DPU: the previous update is done
-        for i, (m, g) in enumerate(zip(self.master, self.grads)):
-            m.grad = self._fp32(i, g)
-            if inv_scale != 1.0:
-                m.grad.mul_(inv_scale)                        # the loss scale out, in fp32, on the host
+        self._inputs = [self._input(i, g) for i, g in enumerate(self.grads)]
+        self._inv_scale = inv_scale                           # the loss scale out, in fp32, on the host
         self._unread = False
         if self._unsent:                                      # DPU: the previous update's result goes up
             self.write_back()
@@ -173,31 +196,56 @@ class HostOptimizer(ShardOptimizer):
             self._job.start()                                 # overlaps the next forward/backward
             self._unsent = True
         else:
-            self._update()
+            self._update(cast=True)                           # casts into host shards in the same pass
             self._raise()
             self.write_back()
 
-    def _fp32(self, i, g):
-        """The gradient the optimizer reads, in the master's dtype: the host shard itself in fp32
-        training; else (and under DPU, since the next backward refills self.grads) a copy into a
-        persistent fp32 workspace (4Ψ/N bytes; a fresh 4Ψ/N tensor every step would cost its page
-        faults each time, measured here ~5x the copy itself)."""
-        m = self.master[i]
-        if g.dtype == m.dtype and not self.delayed:
+    def _input(self, i, g):
+        """The gradient the update reads: the host shard itself, or a copy in a persistent workspace
+        when the kernel needs another dtype (torch's reads the master's: the bf16 -> fp32 upcast, 4Ψ/N
+        bytes) or under DPU (the next backward refills self.grads while the update runs). Persistent:
+        a fresh Ψ/N tensor every step would cost its page faults each time, measured here ~5x the copy."""
+        dtype = g.dtype if self.one_pass is not None else self.master[i].dtype
+        if g.dtype == dtype and not self.delayed:
             return g
         if self.workspace is None:
-            self.workspace = torch.empty(sum(x.numel() for x in self.master), dtype=m.dtype)
+            self.workspace = torch.empty(sum(x.numel() for x in self.master), dtype=dtype)
         off = sum(x.numel() for x in self.master[:i])
-        return self.workspace[off:off + m.numel()].copy_(g)    # bf16 -> fp32 upcast
+        return self.workspace[off:off + g.numel()].copy_(g)
 
-    def _update(self):
+    def _update(self, cast=False):
+        """The update on the host: master, m, v (KΨ/N). ``cast``: the one-pass kernel also writes each
+        host shard (the compute-dtype parameters), which :meth:`write_back` then skips; never under
+        DPU, where the device computes on the old shard while this runs."""
         try:
             with comm.span("host optimizer step", "optimizer"):
-                self.optimizer.step()                          # on the host: master, m, v (KΨ/N)
+                if self.one_pass is not None:
+                    self._one_pass_update(cast)
+                else:
+                    for m, g in zip(self.master, self._inputs):
+                        m.grad = g if self._inv_scale == 1.0 else g.mul_(self._inv_scale)
+                    self.optimizer.step()                      # torch's kernel
         except BaseException as exc:                           # re-raised in the training thread
             self._error = exc
         for m in self.master:
             m.grad = None
+
+    def _one_pass_update(self, cast):
+        group = self.optimizer.param_groups[0]
+        self._cast.clear()
+        for i, (m, g, shard) in enumerate(zip(self.master, self._inputs, self.shards)):
+            state = self.optimizer.state[m]
+            if not state:                   # as torch's fused AdamW creates them at its first step
+                state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(m),
+                             exp_avg_sq=torch.zeros_like(m))
+            state["step"] += 1
+            out = shard if cast and shard.device == HOST and cpu_adam.supports(m, g, shard) else None
+            cpu_adam.adamw_(self.one_pass, m, g, state["exp_avg"], state["exp_avg_sq"], out,
+                            step=state["step"].item(), lr=float(group["lr"]), beta1=group["betas"][0],
+                            beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
+                            grad_scale=self._inv_scale)
+            if out is not None:
+                self._cast.add(i)
 
     def _raise(self):
         if self._error is not None:
@@ -225,9 +273,10 @@ class HostOptimizer(ShardOptimizer):
     def write_back(self):
         """Cast the fp32 master into the compute dtype and copy it into the device shard(s). On a GPU
         the pinned gradient buffer, already read by the step, is the staging buffer on the way up."""
-        for m, shard, staging in zip(self.master, self.shards, self.grads):
+        for i, (m, shard, staging) in enumerate(zip(self.master, self.shards, self.grads)):
             if shard.device == HOST:
-                shard.copy_(m)                                 # one memory: cast in place
+                if i not in self._cast:                        # (the one-pass kernel wrote it already)
+                    shard.copy_(m)                             # one memory: cast in place
             elif self._unread or staging.dtype != shard.dtype:  # gradients wait in the staging buffer
                 shard.copy_(m)                                 # (a checkpoint load), or it is fp32: blocking
             else:
@@ -235,6 +284,7 @@ class HostOptimizer(ShardOptimizer):
                 shard.copy_(staging, non_blocking=True)        # then async H2D before the all-gather
                 self._record(shard)
             self.bytes_to_device += shard.numel() * shard.element_size()
+        self._cast.clear()
         self._unsent = False
 
     def flush(self):
@@ -248,8 +298,9 @@ class HostOptimizer(ShardOptimizer):
             self.write_back()
 
     def state_tensors(self):
-        """The base kinds plus 'host_grads' (the host gradient shard) and 'workspace' (fp32 gradient
-        the optimizer reads; bf16 training and DPU only): all on the host."""
+        """The base kinds plus 'host_grads' (the host gradient shard) and 'workspace' (the copy of the
+        gradient the update reads: fp32 for torch's kernel in bf16 training, and under DPU): all on
+        the host."""
         self.wait()                                            # no reading state while it is updated
         return dict(super().state_tensors(), host_grads=[self.grad_flat],
                     workspace=[] if self.workspace is None else [self.workspace])

@@ -31,6 +31,7 @@ Sends are asynchronous (``comm.isend``): stage s may send forward while stage s+
 and a blocking send on both sides could wait forever (Megatron-LM batches each pair of send and
 receive; torch fires them together too).
 """
+import time
 import weakref
 
 import torch
@@ -82,6 +83,40 @@ class Stage(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x)) if self.last else x
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity on the values; forward sleeps ``forward_s``, backward ``backward_s``."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s):
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class EmulatedStage(nn.Module):
+    """A pipeline stage whose compute is EMULATED: its forward sleeps ``forward_s`` seconds and its
+    backward ``backward_s``, and passes the values through (times a parameter of 1, so that every
+    stage, the first included, has a backward to run). For measuring what a schedule's dependencies
+    cost in idle time on a machine with fewer cores than ranks: a sleeping rank needs no core, so the
+    ranks' "compute" does not queue for the machine's cores and the wait for a neighbour is the
+    schedule's own. The sends and receives between stages stay real."""
+
+    def __init__(self, forward_s, backward_s):
+        super().__init__()
+        if not (forward_s >= 0 and backward_s >= 0):
+            raise ValueError(f"forward_s={forward_s!r}, backward_s={backward_s!r}: sleeps are seconds >= 0")
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.weight = nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.weight, self.forward_s, self.backward_s)
 
 
 def gpt_loss(logits, targets):
@@ -143,15 +178,16 @@ class StageRun:
     """One step of one pipeline stage: ``forward(k)`` and ``backward(k)`` of micro-batch k, with the
     point-to-point traffic each needs, in whatever order a schedule calls them.
 
-    ``forward(k)``: stage 0 takes ``inputs[k]``, the others receive their input from stage s-1; the
-    last stage computes ``loss_fn(output, targets[k]) / m`` (the mean over micro-batches), the others
-    send their output to stage s+1. ``backward(k)``: the last stage backpropagates its loss, the
-    others receive the gradient of their output from stage s+1; every stage but the first sends its
-    input's gradient to stage s-1. ``call`` (default: the stage) runs the forward, ``backward_fn(
-    scalar, last)`` the backward (default: autograd); an engine (``zerolab.initialize``) plugs in
-    there, and for it a non-last stage backpropagates the scalar sum(output * its gradient), whose
-    gradient with respect to the output is exactly the received one. ``last`` is True for the
-    stage's final backward of the step (where data parallelism synchronises).
+    This rank is stage i. ``forward(k)``: stage 0 takes ``inputs[k]``, the others receive their input
+    from stage i-1; the last stage computes ``loss_fn(output, targets[k]) / m`` (the mean over
+    micro-batches), the others send their output to stage i+1. ``backward(k)``: the last stage
+    backpropagates its loss, the others receive the gradient of their output from stage i+1; every
+    stage but the first sends its input's gradient to stage i-1. ``call`` (default: the stage) runs
+    the forward, ``backward_fn(scalar, last)`` the backward (default: autograd); an engine
+    (``zerolab.initialize``) plugs in there, and for it a non-last stage backpropagates the scalar
+    sum(output * its gradient), whose gradient with respect to the output is exactly the received
+    one. ``last`` is True for the stage's final backward of the step (where data parallelism
+    synchronises).
 
     Afterwards: ``losses`` (the last stage's, one per micro-batch, not divided by m), ``order``
     ([("F" or "B", k)] as run), ``in_flight`` (after each call) and ``peak_in_flight``,
@@ -331,3 +367,33 @@ class _Recorder:
 
     def finish(self):
         return []
+
+
+def plot_schedule(sim, ax=None, *, title=None, colors=None):
+    """Draw :func:`simulate`'s timeline: one row per stage (stage 0 on top), each forward and backward
+    a bar labelled with its micro-batch, the idle time left blank. Time in the units given to
+    simulate (accounting, not a measurement). Returns ``ax``."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = colors or {"F": "tab:blue", "B": "tab:orange"}
+    spans = sim["spans"]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(spans)))
+    p = len(spans)
+    for stage, row in enumerate(spans):
+        y = p - 1 - stage
+        for op, k, start, end in row:
+            ax.broken_barh([(start, end - start)], (y + 0.1, 0.8), facecolors=colors[op], edgecolors="black",
+                           linewidth=0.4)
+            ax.text((start + end) / 2, y + 0.5, str(k), ha="center", va="center", fontsize=7,
+                    color="white" if op == "F" else "black")
+    ax.set_yticks([p - 1 - i + 0.5 for i in range(p)], [f"stage {i}" for i in range(p)])
+    ax.set_xlim(0, sim["end"])
+    ax.set_ylim(0, p)
+    ax.set_xlabel("time (a forward = 1 unit, a backward = 2)")
+    ax.legend(handles=[Patch(color=colors["F"], label="forward"), Patch(color=colors["B"], label="backward")],
+              loc="upper right", fontsize=7, ncol=2)
+    if title:
+        ax.set_title(title)
+    return ax

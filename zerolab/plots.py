@@ -204,3 +204,45 @@ def draw_zero2_layouts(bucket_numels, world_size, title=""):
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def draw_flat_vs_dim0(rows, world_size, width=4):
+    """Lesson 11's comparison of the two ways to shard parameters on ``world_size`` ranks: left, the
+    flat layout of lesson 05 (the parameters back to back in one buffer, cut into N equal slices
+    wherever the boundaries fall); right, FSDP2's per-parameter layout (each parameter cut along dim 0
+    into pieces of ceil(rows / N) rows, zero rows padding the last, hatched). ``rows``: {name: number
+    of rows}, each row ``width`` elements. The legend sits outside the axes, so it covers no bar."""
+    colors = [plt.cm.tab10(r) for r in range(world_size)]
+    fig, (flat, dim0) = plt.subplots(1, 2, figsize=(11, 2.8))
+    total = sum(rows.values()) * width
+    per = -(-total // world_size)
+    x = 0
+    for name, r in rows.items():                       # flat: elements back to back
+        flat.barh(0, r * width, left=x, color="white", edgecolor="black")
+        flat.text(x + r * width / 2, 0, name, ha="center", va="center")
+        x += r * width
+    for rank in range(world_size):
+        flat.barh(-1, per, left=rank * per, color=colors[rank], edgecolor="black")
+        flat.text(rank * per + per / 2, -1, f"rank {rank}", ha="center", va="center", color="white")
+    flat.set_yticks([0, -1], ["parameters", "flat shards"])
+    flat.set_xlabel("element")
+    flat.set_title("flat (lesson 05): one buffer cut into N slices", fontsize=10)
+    y = 0
+    for name, r in rows.items():                       # per-parameter: each cut along its rows
+        c = -(-r // world_size)
+        for rank in range(world_size):
+            real = max(0, min(c, r - rank * c))
+            dim0.barh(y, real, left=rank * c, color=colors[rank], edgecolor="black")
+            if real < c:
+                dim0.barh(y, c - real, left=rank * c + real, color="lightgray", hatch="//", edgecolor="black")
+        dim0.text(-0.3, y, name, ha="right", va="center")
+        y -= 1
+    dim0.set_yticks([])
+    dim0.set_xlabel("row (gray: zero padding rows)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="lightgray", hatch="//", edgecolor="black"))
+    dim0.legend(handles=handles, labels=[f"rank {r}" for r in range(world_size)] + ["padding"],
+                fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    dim0.set_title("per-parameter (FSDP2): every parameter cut along dim 0", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -44,8 +44,11 @@ A column-parallel linear needs the whole sequence of its input for its weight gr
 keeps only this rank's s/t slice and all-gathers it again in backward (layers.py, the
 ``sequence_parallel`` branch of ``LinearWithGradAccumulationAndAsyncCommunication``): one more
 all-gather per column-parallel linear in backward, and every per-token activation of the layer is
-then 1/t per rank, the paper's s·b·h·(34 + 5as/h)/t. ``regather=False`` keeps the gathered input
-instead (the g/g-bar bytes alone, 2·e·s·b·h·(1 - 1/t) more activation memory per layer).
+then 1/t per rank, the paper's s·b·h·(34 + 5as/h)/t. The re-gather sends 2(t-1)/t·sbh values per
+layer on top of g/g-bar's 8(t-1)/t·sbh (10 in all; Megatron-LM launches it asynchronously and runs
+the input-gradient GEMM beside it: layers.py lines 674-687 at commit d98e8a6). ``regather=False``
+keeps the gathered input instead (the g/g-bar bytes alone, 2·e·s·b·h·(1 - 1/t) more activation
+memory per layer).
 
 Layout: (s, b, h), sequence first, as Megatron-LM, so that a slice of the sequence is contiguous.
 LayerNorm weights and the row-parallel biases are replicated; with sequence parallelism each rank's
@@ -215,8 +218,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(linear.bias.detach()[self.rows].clone()) if linear.bias is not None else None
 
     def forward(self, x):
-        if not self.sequence_parallel:
-            return F.linear(CopyToTensorParallel.apply(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:
+            return self._forward_sequence_parallel(x)                 # lesson 14, section 2
+        return F.linear(CopyToTensorParallel.apply(x, self.group), self.weight, self.bias)
+
+    def _forward_sequence_parallel(self, x):
         if self.regather:
             return _SequenceParallelLinear.apply(x, self.weight, self.bias, self.group)
         return F.linear(GatherFromSequenceParallel.apply(x, self.group), self.weight, self.bias)
@@ -236,9 +242,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x):
         partial = F.linear(x, self.weight)                                       # Y_i B_i
-        if not self.sequence_parallel:
-            z = ReduceFromTensorParallel.apply(partial, self.group)
-            return z + self.bias if self.bias is not None else z
+        if self.sequence_parallel:
+            return self._forward_sequence_parallel(partial)            # lesson 14, section 2
+        z = ReduceFromTensorParallel.apply(partial, self.group)
+        return z + self.bias if self.bias is not None else z
+
+    def _forward_sequence_parallel(self, partial):
         z = ReduceScatterToSequenceParallel.apply(partial, self.group)
         # the bias meets only this rank's tokens: its gradient is summed over the group (f)
         return z + CopyToTensorParallel.apply(self.bias, self.group) if self.bias is not None else z

@@ -155,30 +155,38 @@ def disk_tiers(folder, *, nbytes=256 * MIB, block=MIB, repeats=5, depths=(1, 2, 
     {name: [GB/s per repeat]}, names 'write O_DIRECT', 'write buffered', 'read O_DIRECT',
     'read buffered, cold', 'read buffered, right after a buffered write' (the page-cache trap) and
     'read O_DIRECT, queue depth d'. ``O_DIRECT`` rows are left out where the file system refuses it
-    (``direct_ok`` False and ``why`` say so). Each repeat takes every measurement once, in turn, so
-    that they all see the same machine."""
+    (``direct_ok`` False and ``why`` say so). Each repeat takes every measurement once, so that they
+    all see the same machine, in alternating order (forward on even repeats, backward on odd ones), so
+    that no measurement always runs first or last; the trap's read always follows its own write."""
     from zerolab.aio import direct_io_supported
     path = pathlib.Path(folder) / f".zerolab-tiers-{os.getpid()}"
     ok, why = direct_io_supported(folder)
     data = _data(block)
     out = {}
+
+    def trap():
+        f = DiskFile(path, direct=False)            # write through the page cache without syncing, then read at once
+        for off in range(0, nbytes, block):
+            f.write(data[:min(block, nbytes - off)], off)
+        f.close()
+        return read_file(path, nbytes, block=block, direct=False, cold=False)
+
+    steps = []
+    if ok:
+        steps += [("write O_DIRECT", lambda: write_file(path, nbytes, block=block, direct=True, data=data)),
+                  ("read O_DIRECT", lambda: read_file(path, nbytes, block=block, direct=True))]
+        steps += [(f"read O_DIRECT, queue depth {d}",
+                   lambda d=d: read_file(path, nbytes, block=block, direct=True, depth=d)) for d in depths]
+    steps += [("write buffered", lambda: write_file(path, nbytes, block=block, direct=False, data=data)),
+              ("read buffered, cold", lambda: read_file(path, nbytes, block=block, direct=False)),
+              ("read buffered, right after a buffered write", trap)]
+    for name, _ in steps:
+        out[name] = []
     try:
-        for _ in range(repeats):
-            if ok:
-                out.setdefault("write O_DIRECT", []).append(write_file(path, nbytes, block=block, direct=True, data=data))
-                out.setdefault("read O_DIRECT", []).append(read_file(path, nbytes, block=block, direct=True))
-                for d in depths:
-                    out.setdefault(f"read O_DIRECT, queue depth {d}", []).append(
-                        read_file(path, nbytes, block=block, direct=True, depth=d))
-            out.setdefault("write buffered", []).append(write_file(path, nbytes, block=block, direct=False, data=data))
-            out.setdefault("read buffered, cold", []).append(read_file(path, nbytes, block=block, direct=False))
-            # the trap: write through the page cache without syncing, then read at once
-            f = DiskFile(path, direct=False)
-            for off in range(0, nbytes, block):
-                f.write(data[:min(block, nbytes - off)], off)
-            f.close()
-            out.setdefault("read buffered, right after a buffered write", []).append(
-                read_file(path, nbytes, block=block, direct=False, cold=False))
+        write_file(path, nbytes, block=block, direct=ok, data=data)     # the file exists before any read
+        for r in range(repeats):
+            for name, measure in (steps if r % 2 == 0 else steps[::-1]):
+                out[name].append(measure())
     finally:
         path.unlink(missing_ok=True)
     out["direct_ok"], out["why"] = ok, why

@@ -232,6 +232,30 @@ def _probe_failure(fail, write_s):
     return {"events": events, "raised": raised, "committed": state}
 
 
+def _probe_retry(fail):
+    """Step 1 completes; step 2 meets a failing read or write; then step 2 is called again with the same
+    gradient (the retry) and step 3 runs. The params right after the failure, and at the end the
+    params and the committed state read back."""
+    numel, chunk = 10 * 1024, 1024
+    opt, params = _build(numel, "float64", chunk=chunk, buffers=3, read_s=0.001, write_s=0.001)
+    grads = _grads(numel, 3, torch.float64)
+    opt.step(grads[0])
+    opt.file.fail, opt.file.count = fail, {"read": 0, "write": 0}
+    try:
+        opt.step(grads[1])
+        raised = None
+    except OSError as exc:
+        raised = str(exc)
+    after_failure = params.clone()
+    opt.file.fail = None
+    opt.step(grads[1])                                 # the retry
+    opt.step(grads[2])
+    out = {"raised": raised, "after_failure": after_failure, "params": params.clone(),
+           "committed": _committed(opt, numel, "float64", chunk)}
+    opt.close()
+    return out
+
+
 # -- the verdicts ------------------------------------------------------------------------------------
 def _same(got, want, what):
     assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
@@ -325,3 +349,24 @@ def test_memory_stays_within_the_pool(student):
             f"step {s}: {len(reads)} record reads and {len(writes)} writes for {n} chunks: read each record "
             f"once and write it once")
         assert all(t[2] == record for t in step["transfers"]), f"step {s}: transfers of other sizes than one record"
+
+
+@pytest.mark.points(2)
+def test_a_failed_step_can_be_retried(student):
+    """rollback of memory: after a failed step, params equal the committed state, and calling step()
+    again with the same gradient gives what AdamW gives (params, step counters: the bias correction)"""
+    numel = 10 * 1024
+    ref = _reference(numel, 3, torch.float64)
+    for fail in (("write", 5), ("write", 10), ("read", 4)):
+        got = student.run(_probe_retry, fail)
+        what = f"the {fail[0]} number {fail[1]} of step 2 failed"
+        assert got["raised"] is not None and "injected" in got["raised"], f"after {what}: step() did not raise it"
+        _same(got["after_failure"], ref[0][0], f"self.params right after {what} (must be step 1's, the committed state)")
+        p, m, v = ref[2]
+        _same(got["params"], p, f"self.params after {what}, step 2 retried and step 3 run (a step counter or a "
+                                f"parameter left advanced by the failed step changes the retry)")
+        c = got["committed"]
+        assert c["steps"] == 3, f"after {what}, the retry and step 3: the committed metadata says steps={c['steps']}, not 3"
+        _same(c["param"], p, f"the committed master after {what}, the retry and step 3")
+        _same(c["exp_avg"], m, f"the committed exp_avg after {what}, the retry and step 3")
+        _same(c["exp_avg_sq"], v, f"the committed exp_avg_sq after {what}, the retry and step 3")

@@ -51,10 +51,22 @@ def _table(rows):
     return "\n".join(lines)
 
 
+def lesson_exercises():
+    """The folder a lesson's grade cell grades by default: the ``exercises/`` beside the lesson's own
+    folder (the kernel's working directory is the lesson's folder). From ``make lab`` that is the
+    student's copy, mywork/exercises beside mywork/notebooks (tools/jupyter/mywork.py); for the
+    committed lessons (nbval, ``make notebooks``) it is the checkout's exercises/, the stubs. Without
+    one there, the checkout's exercises/."""
+    beside = pathlib.Path.cwd().resolve().parent / "exercises"
+    if any(beside.glob("ex[0-9][0-9]_*.py")):
+        return beside
+    return checkout_root() / "exercises"
+
+
 def check(lesson, path=None, **options):
-    """Grade one lesson's exercises (default: the checkout's exercises/) and print the result.
+    """Grade one lesson's exercises (default: :func:`lesson_exercises`) and print the result.
     Returns (points scored, points possible). ``options``: as :func:`run_graded`'s."""
-    rows = run_graded(path or checkout_root() / "exercises", lessons=[lesson], **options)
+    rows = run_graded(path or lesson_exercises(), lessons=[lesson], **options)
     print(_table(rows))
     return sum(r["score"] for r in rows), sum(r["points"] for r in rows)
 
@@ -119,10 +131,16 @@ def grade_submissions(folder, csv_path, lessons=None, **options):
                 remarks = notes(rows)
             except Exception as exc:  # this submission scores 0; the batch goes on
                 remarks = [f"not graded: {exc}".splitlines()[0]]
-            writer.writerow([student, *scores, sum(scores), "; ".join(remarks)])
+            writer.writerow([_cell(student), *scores, sum(scores), _cell("; ".join(remarks))])
             f.flush()
             print(f"{student}: {sum(scores)}" + (f"  ({'; '.join(remarks)})" if remarks else ""))
     return 0
+
+
+def _cell(text):
+    """A CSV cell a spreadsheet shows as text: a name or note that starts like a formula (a file
+    name or an error message is the student's to choose) gets a leading apostrophe."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
 
 
 def main(argv=None):

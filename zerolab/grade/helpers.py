@@ -132,10 +132,21 @@ class Student:
         import pytest
 
         from zerolab.launch import RankError
+        _by_value(probe)
         try:
             return self._clusters(world_size).run(probe, *args, **kwargs)
         except RankError as exc:
             pytest.fail(str(exc), pytrace=False)
+
+
+def _by_value(probe):
+    """Send the probe's module by value: the ranks get the probe's code and the globals it uses,
+    never the test file itself (its references and expected values stay in this process, and the
+    sandbox does not show the tests)."""
+    import cloudpickle
+    module = sys.modules.get(getattr(probe, "__module__", None) or "")
+    if module is not None and not module.__name__.split(".")[0] == "zerolab":
+        cloudpickle.register_pickle_by_value(module)
 
 
 class _Remote:

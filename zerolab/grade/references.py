@@ -30,7 +30,26 @@ import sys
 import types
 
 REFUSED = "refused: "
-ALWAYS_REFUSED = ("solutions",)  # the worked answers: never part of a submission
+ALWAYS_REFUSED = ("solutions", "zerolab.grade")  # the worked answers, and the grader's own code
+
+# What no exercise needs, and what would let a submission dodge the checks above or reach the
+# grader's records in its own process: code built at run time (a file name of its choosing, a
+# module name assembled from pieces), introspection of frames, modules and functions, and the
+# process group's raw methods beneath torch.distributed's functions (which the graded tests observe).
+DYNAMIC_NAMES = {"exec", "eval", "compile", "__import__", "__builtins__", "globals", "locals", "vars",
+                 "breakpoint"}
+DYNAMIC_MODULES = {"importlib", "builtins", "gc", "inspect", "ctypes", "marshal", "code", "codeop",
+                   "runpy", "pkgutil", "zipimport", "_thread"}
+DYNAMIC_ATTRIBUTES = {
+    "__code__", "__globals__", "__builtins__", "__subclasses__", "__closure__", "__dict__",
+    "__loader__", "__spec__", "__self__", "f_back", "f_globals", "f_locals", "f_code", "gi_frame",
+    "tb_frame", "cr_frame", "ag_frame", "_getframe", "settrace", "setprofile", "CodeType",
+    "FunctionType", "fdopen", "fromfd", "dup2",
+    "allreduce", "allgather", "alltoall", "allreduce_coalesced", "allgather_coalesced",
+    "_allgather_base", "_reduce_scatter_base", "_get_default_group", "distributed_c10d", "_world"}
+SYS_ATTRIBUTES = {"modules", "meta_path", "path_hooks", "path_importer_cache", "_getframe", "settrace",
+                  "setprofile", "addaudithook"}  # sys.<these>
+_ATTRIBUTE_BUILTINS = ("getattr", "setattr", "delattr")
 
 
 class ReferenceImplementationError(RuntimeError):
@@ -109,6 +128,9 @@ def static_check(source, filename, refused, allowed):
             reason = bad(node.args[0].value, node)
         if reason:
             return reason
+    reason = _dynamic(tree, filename)
+    if reason:
+        return reason
     # Where an imported module is used: zerolab.ring.exchange is fine, zerolab.ring.ring_all_reduce
     # (or the module zerolab.ring itself, passed around) is not.
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
@@ -124,6 +146,41 @@ def static_check(source, filename, refused, allowed):
             entry = refused_entry(name, refused, allowed)
             if entry:
                 return _message(filename, f" line {node.lineno}", name, entry)
+    return None
+
+
+def _dynamic(tree, filename):
+    """The refusal message for the first dynamic construct (DYNAMIC_*) in ``tree``, else None."""
+    def refuse(node, what):
+        return (f"{REFUSED}{filename} line {node.lineno} uses {what}: a submission may not build code "
+                f"or names at run time, inspect frames, modules or functions, or call a process "
+                f"group's raw methods. Write the exercise with plain Python, torch and "
+                f"torch.distributed's functions")
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in DYNAMIC_NAMES:
+            return refuse(node, node.id)
+        if isinstance(node, ast.Attribute) and node.attr in DYNAMIC_ATTRIBUTES:
+            return refuse(node, f".{node.attr}")
+        if (isinstance(node, ast.Attribute) and node.attr in SYS_ATTRIBUTES
+                and isinstance(node.value, ast.Name) and node.value.id == "sys"):
+            return refuse(node, f"sys.{node.attr}")
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in DYNAMIC_MODULES:
+                    return refuse(node, f"import {a.name}")
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0]
+                                                 in DYNAMIC_MODULES):
+            return refuse(node, f"from {'.' * node.level}{node.module or ''} import")
+        if (isinstance(node, ast.ImportFrom) and node.module == "sys"
+                and any(a.name in SYS_ATTRIBUTES | {"*"} for a in node.names)):
+            return refuse(node, "from sys import " + ", ".join(a.name for a in node.names))
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in _ATTRIBUTE_BUILTINS):
+            name = node.args[1] if len(node.args) > 1 else None
+            if not (isinstance(name, ast.Constant) and isinstance(name.value, str)
+                    and not name.value.startswith("_")):
+                return refuse(node, f"{node.func.id} with a name that is not a public literal")
     return None
 
 

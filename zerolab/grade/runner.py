@@ -19,18 +19,20 @@ exercises: each, when it starts, gets the time left divided by the exercises lef
 runs out, the child and every process it started are killed, that exercise's test running and
 those not run score 0, and a new child grades the next exercises.
 """
+import errno
 import json
 import os
 import pathlib
 import re
 import secrets
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-from zerolab.grade.checkout import exercise_name, graded_dir
+from zerolab.grade.checkout import REPO, exercise_name, graded_dir
 from zerolab.grade.helpers import SANDBOX, TRUSTED_PID
 from zerolab.grade.references import REFUSED, declaration, static_check
 from zerolab.grade.sandbox import SandboxUnavailable, mode, unavailable_reason
@@ -78,6 +80,28 @@ def graded_files(graded, lessons):
     return files
 
 
+FILE_LIMIT = 5 << 20  # bytes of one submitted exercise file
+
+
+def _read_submitted(path):
+    """The bytes of a submitted file: a regular file (a link is not followed: it could point at a
+    file only the grader may read, or at one that never ends), at most FILE_LIMIT bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            raise FileNotFoundError(path) from None
+        raise ValueError(f"{path.name} is not a regular file (a link or something else); submit the "
+                         f"file itself") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"{path.name} is not a regular file; submit the file itself")
+        data = f.read(FILE_LIMIT + 1)
+    if len(data) > FILE_LIMIT:
+        raise ValueError(f"{path.name} is larger than {FILE_LIMIT >> 20} MB; submit the exercise's source")
+    return data
+
+
 def _static_verdicts(impl, files):
     """exercise -> why its tests need not run, decided from the submitted files alone."""
     verdicts = {}
@@ -85,11 +109,16 @@ def _static_verdicts(impl, files):
         name = exercise_name(test_file)
         path = impl / f"{name}.py"
         refused, allowed = declaration(test_file)
-        if not path.is_file():
+        try:
+            source = _read_submitted(path)
+        except FileNotFoundError:
             verdicts[name] = f"{path.name} is missing from the submission"
             continue
+        except ValueError as exc:
+            verdicts[name] = str(exc)
+            continue
         try:
-            reason = static_check(path.read_bytes(), path.name, refused, allowed)
+            reason = static_check(source, path.name, refused, allowed)
         except SyntaxError as exc:
             reason = f"{path.name} does not compile: SyntaxError: {exc.msg} (line {exc.lineno})"
         except ValueError as exc:  # e.g. null bytes
@@ -206,6 +235,11 @@ def sandbox_mode(sandbox):
     if sandbox == "off":
         return None, "the sandbox was turned off (--no-sandbox)"
     reason, how = unavailable_reason(), mode()
+    exposed = [p for p in (REPO / "solutions", REPO / "tests") if how == "user" and _others_may_read(p)]
+    if exposed:  # the lesser sandbox hides no file: the answers must be closed to other users
+        how, reason = None, (f"{reason}; the lesser sandbox (the submission's own user id) would let a "
+                             f"submission read {exposed[0]}: make the checkout private first "
+                             f"(chmod -R o-rwx {REPO})")
     if how is None and sandbox == "required":
         if os.geteuid() == 0:
             reason += (f"; as root, the lesser sandbox (the submission's own user id, no namespaces) "
@@ -213,6 +247,22 @@ def sandbox_mode(sandbox):
         raise SandboxUnavailable(f"{reason}. Instructor mode (--csv, --gradescope) grades only in the "
                                  f"sandbox; --no-sandbox grades without it, trusting the submissions")
     return how, reason
+
+
+def _others_may_read(path):
+    """Whether a user with no rights of its own could list or read ``path``: every folder on the
+    way searchable by others, and ``path`` itself readable by them."""
+    try:
+        if not os.stat(path).st_mode & stat.S_IROTH:
+            return False
+        folder = os.path.dirname(os.path.realpath(path))
+        while folder not in ("/", ""):
+            if not os.stat(folder).st_mode & stat.S_IXOTH:
+                return False
+            folder = os.path.dirname(folder)
+    except OSError:
+        return False
+    return True
 
 
 def _remove_files_of(uid):

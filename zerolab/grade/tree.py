@@ -8,8 +8,9 @@ discarded after it (:func:`make_tree`).
     TMP/sandbox.json                         the sandbox's spec (zerolab.grade.sandbox)
 
 The copies make each submission's grading independent of the last one's (nothing it did to a
-file can reach the next), and leave ``solutions/`` and ``tests/graded/wrong/`` out: the tree, the
-Python installation and the ``zerolab`` package are all the sandbox shows.
+file can reach the next), and leave ``solutions/`` and ``tests/graded/wrong/`` out. The sandbox
+shows the submission's copy, the Python installation and the ``zerolab`` package; the tests stay with the trusted process (their probes
+reach the ranks by value).
 """
 import os
 import pathlib
@@ -78,9 +79,11 @@ def make_tree(tmp, impl, graded, files, *, sandboxed, shown=()):
         scratch.chmod(0o700)
         if sandboxed == "user":  # no namespaces: that user reads the tree through the real folders
             tmp.chmod(0o711)
+            (tree / "tests").chmod(0o700)  # the tests (and their expected values) stay the grader's
         (tmp / "root").mkdir()
         spec = tmp / "sandbox.json"
-        shown = {sys.base_prefix, sys.prefix, str(PACKAGE), str(tree), *map(str, shown)}
+        # the submission, not the tests: probes reach the ranks by value (zerolab.grade.helpers)
+        shown = {sys.base_prefix, sys.prefix, str(PACKAGE), str(submission), *map(str, shown)}
         shown |= {sysconfig.get_path(k) for k in ("purelib", "platlib", "stdlib", "platstdlib")}
         write_spec(spec, root=tmp / "root", scratch=scratch, read_only=sorted(p for p in shown if p),
                    user_only_fallback=sandboxed == "user", **({"uid": uid} if uid is not None else {}))

@@ -65,11 +65,13 @@ class Zero2Gradients:
             self._complete(*self.inflight.pop(0))       # before a third could be alive
         _, lo, hi = self.buckets[b]
         buf, s, works = self.buffers[b], self.flat.shard_numel, []
-        for q in range(self.world_size):                # the owners this bucket overlaps
+        owners = [q for q in range(self.world_size) if max(lo, q * s) < min(hi, (q + 1) * s)]
+        # each owner its own copy of the bucket, copied before any reduce changes the bucket in place
+        copies = [buf] + [buf.clone() for _ in owners[1:]]
+        for q, whole in zip(owners, copies):            # the owners this bucket overlaps
             a, z = max(lo, q * s), min(hi, (q + 1) * s)
             if a < z:                                   # Sec. 5.2: reduce to the owner, not all-reduce
                 dst = q if self.group is None else dist.get_global_rank(self.group, q)
-                whole = buf.clone() if len(works) else buf      # each owner its own copy of the bucket
                 work = dist.reduce(whole, dst=dst, group=self.group, async_op=True)
                 works.append((q, a, z, work, whole))
         self.launched[b] = True
