@@ -40,8 +40,9 @@ def reduce_bytes(numel, dst, group=None):
     during it, divided by the tensor's bytes.
 
     Measure it (the kernel counts what a process writes), do not compute it: graded against the
-    grader's own measurement, on 4 ranks and on a subgroup of 3 of them. Then explain the pattern
-    you see across the ranks."""
+    grader's own measurement, on 4 ranks and on a subgroup of 3 of them, for a large tensor and a
+    small one. Then explain the pattern you see across the ranks, and what changes for the small
+    tensor."""
     raise NotImplementedError(
         "Exercise 00.2: measure the bytes this rank sends during one reduce, as a multiple of the "
         "tensor's bytes.")

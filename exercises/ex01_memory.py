@@ -37,7 +37,9 @@ def peak_model_states(model, optimizer, run_step):
     parameters and gradients that are views into flat buffers the optimizer keeps too; torch DDP's
     bucket-view gradients on 2 real ranks.
 
-    Leave nothing behind: once it returns, the model and the optimizer behave as before the call."""
+    Leave nothing behind, whatever happens: once it returns, and also when ``run_step()`` raises
+    (its exception then passes out of ``peak_model_states`` unchanged), the model and the optimizer
+    behave as before the call (graded with a step that raises after its backward pass)."""
     raise NotImplementedError(
         "Exercise 01.1: measure the peak of each kind, and of their sum, while run_step() runs.")
 

@@ -29,8 +29,8 @@ class BucketedAverager:
     * values: after ``finish()``, each trainable ``.grad`` is the mean over the group's ranks of
       that rank's gradients summed over every backward since they were last zeroed, those run
       inside ``with sync.no_sync():`` included. A parameter a rank's forward did not use gets no
-      gradient there and counts as zero from that rank; which ones go unused may differ from rank to
-      rank and from step to step. Frozen parameters keep ``grad=None``; a tied weight is one
+      gradient there and counts as zero from that rank; which ones go unused, in whichever bucket,
+      may differ from rank to rank and from step to step. Frozen parameters keep ``grad=None``; a tied weight is one
       parameter.
     * communication: all-reduces only, on ``group``; per synchronising step one all-reduce per
       bucket of ``assign_buckets(trainable parameters, bucket_bytes)``, each gradient element in

@@ -27,8 +27,9 @@ def sharded_server_average(tensor, servers, group=None):
     * how much: every element travels once to the server responsible for it and, averaged, once
       from that server to every other rank; nothing else is sent;
     * only point-to-point messages (``torch.distributed`` or ``zerolab.comm`` send / recv);
-    * ``group``: only its ranks take part; ``servers`` is a number from 1 to the group's size, and
-      anything else is a ValueError naming it."""
+    * ``group``: only its ranks take part; ``servers`` is an int from 1 to the group's size, and
+      anything else (0, more than the group's size, a bool such as True, a float such as 2.0) is a
+      ValueError naming it."""
     raise NotImplementedError(
         "Exercise 08.1: average the tensor through K servers that each own one part of it.")
 

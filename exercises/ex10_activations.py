@@ -28,7 +28,10 @@ def checkpointed(block, x):
 
     * values: the output, the gradient of ``x`` (flowing on to whatever produced ``x``) and of
       every parameter of the block equal a plain ``block(x)``'s; gradients ADD to a ``.grad``
-      already there, as a plain backward does;
+      already there, in place, as a plain backward does (a ``.grad`` that is a view into an
+      engine's flat gradient buffer stays that view and receives the gradient), and each
+      parameter's post-accumulate-grad hooks then run once, during backward (where engines pick a
+      finished gradient up);
     * any mix of what requires grad: ``x`` without grad and the parameters with (the first block
       after frozen embeddings), ``x`` with grad and the parameters frozen;
     * randomness: a block that draws random numbers (dropout) gives the output and gradients of a

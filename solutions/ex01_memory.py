@@ -40,7 +40,7 @@ def peak_model_states(model, optimizer, run_step):
 
     handles = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad]
     handles += [optimizer.register_step_pre_hook(sample), optimizer.register_step_post_hook(sample)]
-    try:
+    try:                       # the contract: nothing left behind, even when run_step() raises
         sample()
         run_step()
         sample()

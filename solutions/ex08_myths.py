@@ -8,6 +8,7 @@ from zerolab import comm, models
 
 def sharded_server_average(tensor, servers, group=None):
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    # The contract: an int from 1 to the group's size; True (an int to Python) and 2.0 are refused.
     if isinstance(servers, bool) or not isinstance(servers, int) or not 1 <= servers <= n:
         raise ValueError(f"servers={servers!r}: choose a number of servers from 1 to the group's size ({n})")
     # tensor_split: K contiguous parts whose sizes differ by at most one (chunk would not: 10 -> 3,3,3,1,

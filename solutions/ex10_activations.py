@@ -39,8 +39,9 @@ class _Checkpoint(torch.autograd.Function):
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True)) if inputs else []
         gx = grads.pop(0) if x.requires_grad else None
         by_param = dict(zip(map(id, wanted), grads))
-        # Returned, not written: autograd adds them to each parameter's .grad (AccumulateGrad),
-        # exactly as a plain backward would, hooks included (ZeRO-3's reduce-scatter hooks).
+        # Returned, not written: autograd adds them INTO each parameter's .grad (AccumulateGrad, in
+        # place: a .grad that is a view into an engine's bucket stays one), then runs its
+        # post-accumulate-grad hooks (where ZeRO's engines reduce it), exactly as a plain backward.
         return (None, gx, *(by_param.get(id(p)) for p in params))
 
 

@@ -204,9 +204,14 @@ def test_both_directions_neighbours_only(student):
 
 @pytest.mark.points(3)
 def test_reduce_bytes_measured(student, clusters):
-    """measured: the bytes gloo's reduce makes each rank send (the world, and a subgroup)"""
-    numel = 2**18
-    for dst, group_ranks in ((0, None), (3, None), (2, SUBGROUP)):
+    """measured: the bytes gloo's reduce makes each rank send (the world, and a subgroup; a large tensor and a
+    small one)"""
+    # 2**18 elements: the measurement is within 0.1% of the pattern, (N-1)/N x S on dst and S on the others.
+    # 1000 elements (4000 bytes): what gloo writes besides the data (about 1 kB per rank on 4 ranks, the same
+    # bytes every run) puts it 24% above that pattern on the others and 34% on dst (17% and 25% on the
+    # subgroup): a formula for the pattern does not pass.
+    cases = [(2**18, 0, None), (2**18, 3, None), (2**18, 2, SUBGROUP), (1000, 0, None), (1000, 2, SUBGROUP)]
+    for numel, dst, group_ranks in cases:
         ours = clusters(4).run(_measure_reduce, numel, dst, group_ranks)
         if any(o is None for r, o in enumerate(ours) if group_ranks is None or r in group_ranks):
             pytest.skip("no per-process write counter here (/proc/self/io): nothing to compare with")
@@ -216,5 +221,5 @@ def test_reduce_bytes_measured(student, clusters):
             if o is None:
                 continue
             assert t is not None and t == pytest.approx(o, rel=0.05, abs=0.01), (
-                f"reduce to rank {dst} on {where}, rank {rank}: reduce_bytes = {t!r}; the grader measured "
-                f"{o:.3f} x the tensor's bytes on its own ranks")
+                f"reduce of {numel} elements to rank {dst} on {where}, rank {rank}: reduce_bytes = {t!r}; the grader "
+                f"measured {o:.3f} x the tensor's bytes on its own ranks")

@@ -11,7 +11,8 @@ AdamW and ``zero_grad(set_to_none=True)``; bf16 parameters with fp32 masters who
 optimizer releases as it steps; a frozen layer and two micro-batches; a step skipped after an
 overflow (gradients released, no optimizer step); parameters and gradients that are views into
 flat buffers the optimizer also keeps (storages shared by two kinds); torch DDP's bucket-view
-gradients on 2 real ranks. The theory (01.2) is checked against the ZeRO paper's worked example and
+gradients on 2 real ranks; and a step that raises after its backward pass, after which no hook of
+the measurement may remain and the step's own exception must have come out. The theory (01.2) is checked against the ZeRO paper's worked example and
 closed forms (sharded kinds really 1/N, no rounding), offload's split and the invalid settings."""
 import pytest
 import torch
@@ -221,6 +222,32 @@ def _probe_ddp():
     return _measure(model, opt, run_step)
 
 
+STEP_ERROR = "non-finite gradients, step abandoned (raised by the grader's run_step)"
+
+
+def _probe_step_raises():
+    """A step that raises once autograd has delivered its gradients (the measurement's hooks have
+    run): what came out of peak_model_states, and the hooks before and after."""
+    ex = exercise_module("ex01_memory")
+    mlp = models.build("mlp")
+    opt = torch.optim.Adam(mlp.parameters())
+    before = _hooks(mlp, opt)
+
+    def run_step():
+        x, y = models.batch("mlp", seed=4, batch_size=4)
+        mlp(x, y).backward()
+        raise FloatingPointError(STEP_ERROR)         # a guard that refuses the step
+
+    raised = None
+    try:
+        ex.peak_model_states(mlp, opt, run_step)
+    except NotImplementedError:
+        raise                                        # not written yet: the rank's own failure
+    except Exception as exc:                         # reported; the verdict is the test's
+        raised = {"type": type(exc).__name__, "message": str(exc)[:300]}
+    return {"raised": raised, "hooks_before": before, "hooks_after": _hooks(mlp, opt)}
+
+
 def _probe_formulas(calls):
     """model_state_bytes(*args, **kwargs) for each call: the dict it returned, or what it raised."""
     ex = exercise_module("ex01_memory")
@@ -387,3 +414,15 @@ def test_data_parallel_replicates_on_real_ranks(student):
                                   "total": 16 * numel + 4 * tensors},
                 f"rank {rank}: DDP model states at their peak (the full 16 bytes/param on every rank)")
         _check_hooks(got, f"rank {rank}, DDP")
+
+
+@pytest.mark.points(1)
+def test_nothing_left_behind_when_the_step_raises(student):
+    """nothing left behind even when run_step() raises, and its exception comes out unchanged"""
+    got = student.run(_probe_step_raises)
+    _check_hooks(got, "a step that raised after its backward pass")
+    raised = got["raised"]
+    assert raised is not None and raised["type"] == "FloatingPointError" and STEP_ERROR in raised["message"], (
+        f"run_step() raised FloatingPointError({STEP_ERROR!r}) after its backward pass; peak_model_states "
+        f"{'returned normally' if raised is None else 'raised ' + raised['type'] + ': ' + raised['message']}: "
+        f"the step's own exception must pass out of it unchanged")

@@ -16,7 +16,10 @@ each bucket's all-reduce started and not yet waited for while autograd computes 
 follow its last one, also when a parameter gets no gradient at all in that backward; no copy of
 the gradients (the live tensors of backward measured against Ψ); no communication under
 ``no_sync`` and the accumulated sum synchronised after it; ``group=`` on a subgroup of 3 of 4 ranks
-while the fourth rank works alone."""
+while the fourth rank works alone; and, on 3 ranks that each leave a different expert unused (a
+bucket in the middle, not the first), the values again: there the buckets' gradients become final
+in a different order on each rank, and all-reduces started in that order would meet another rank's
+other bucket (same size: wrong sums, not a hang)."""
 import pytest
 import torch
 import torch.nn as nn
@@ -63,12 +66,41 @@ def _uses_spare(rank, step):
     return (rank + step) % 2 == 1       # rank 0 leaves it unused at step 0, rank 1 at step 1
 
 
+class Experts(nn.Module):
+    """Four experts, each one bucket of its own (16 x 32 float64 = BUCKET_BYTES): expert 3 in bucket
+    0, expert 0 in bucket 3. The forward skips the experts in ``skip``, as a mixture of experts skips
+    those no token was routed to: which buckets miss a gradient differs from rank to rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(16, 32, bias=False) for _ in range(4))
+        self.skip = set()
+
+    def forward(self, x, y):
+        loss = 0
+        for i, expert in enumerate(self.experts):
+            if i not in self.skip:
+                loss = loss + (expert(x) - y).pow(2).mean() * (i + 1)
+        return loss
+
+
+# (rank, step) -> the experts that rank's forward skips. Step 0: ranks 0 and 1 skip experts in
+# buckets 2 and 1, rank 2 none; step 1: others. Each rank's buckets become final in its own order.
+EXPERTS_SKIPPED = {(0, 0): {1}, (1, 0): {2}, (2, 0): set(), (0, 1): set(), (1, 1): {1}, (2, 1): {0, 2}}
+
+
 def _model(name, rank=0, step=0):
     if name == "spare":
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             model = Spare().double()
         model.use_spare = _uses_spare(rank, step)
+        return model
+    if name == "experts":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = Experts().double()
+        model.skip = set(EXPERTS_SKIPPED[rank, step])
         return model
     return models.build(name, seed=0, dtype=torch.float64, **(GPT if name == "gpt" else {}))
 
@@ -77,6 +109,10 @@ def _batch(name, model, rank, step=0):
     seed = 100 * step + rank
     if name == "mlp":
         return models.batch("mlp", seed=seed, batch_size=3, dtype=torch.float64)
+    if name == "experts":
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randn(3, 16, generator=g, dtype=torch.float64),
+                torch.randn(3, 32, generator=g, dtype=torch.float64))
     return models.batch("gpt", seed=seed, batch_size=3, vocab_size=GPT["vocab_size"], seq_len=GPT["seq_len"])
 
 
@@ -116,6 +152,8 @@ def _probe_steps(name, steps, group_ranks=None):
     for step in range(steps):
         if name == "spare":
             model.use_spare = _uses_spare(rank, step)
+        if name == "experts":
+            model.skip = set(EXPERTS_SKIPPED[rank, step])
         model.zero_grad(set_to_none=False)
         with record_collectives() as calls:
             model(*_batch(name, model, rank, step)).backward()
@@ -237,6 +275,8 @@ def _mean_grads(name, ranks, steps=(0,), use=None):
         for s in steps:
             if name == "spare":
                 model.use_spare = use(r, s)
+            if name == "experts":
+                model.skip = set(EXPERTS_SKIPPED[r, s])
             model(*_batch(name, model, r, s)).backward()
         for pname, p in model.named_parameters():
             if p.requires_grad:
@@ -427,3 +467,26 @@ def test_ddp_buckets_measured(student, clusters):
     for rank, (theirs, mine) in enumerate(zip(student.on_ranks(2, _probe_ddp, 0.1), ours)):
         assert theirs == mine, (f"rank {rank}: ddp_bucket_bytes = {theirs}; DDP's communication hook saw buckets "
                                 f"of {mine} bytes, iteration by iteration (measured on the grader's ranks)")
+
+
+@pytest.mark.points(2)
+def test_ranks_leave_different_buckets_unused(student):
+    """values when each rank leaves a different layer unused, in a middle bucket: every rank's all-reduces
+    must still meet the same buckets on the other ranks"""
+    got = student.on_ranks(3, _probe_steps, "experts", 2)
+    bucket = {e: 3 - e for e in range(4)}          # expert e's bucket (reverse order, one each)
+    for step in range(2):
+        expected = _mean_grads("experts", range(3), (step,))
+        unused = "; ".join(f"rank {r}: " + (", ".join(f"expert {e} (bucket {bucket[e]})"
+                                                      for e in sorted(EXPERTS_SKIPPED[r, step])) or "none")
+                           for r in range(3))
+        for rank in range(3):
+            what = f"experts, 3 ranks, rank {rank}, step {step}"
+            _collectives_ok(got[rank][step]["calls"], range(3), what)
+            try:
+                _check_grads(got[rank][step]["grads"], expected, _model("experts"), what)
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"{exc}.\nThe forward left these experts unused ({unused}), so each rank's buckets become final "
+                    f"in a different order; the all-reduces of the ranks are matched by the order in which each rank "
+                    f"starts them, not by the bucket they carry") from None

@@ -160,12 +160,13 @@ def test_sharded_server_average_values(student):
     results = student.on_ranks(N, _serve, cases)
     for i, (numel, k) in enumerate(cases):
         _check_values([results[r][i] for r in range(N)], list(range(N)), numel, k, lambda r: r)
-    refused = student.on_ranks(N, _bad_servers, [0, N + 1])[0]
-    for k, got in zip((0, N + 1), refused):
+    bad = [0, N + 1, True, 2.0]           # True is an int to Python, 2.0 compares like one: neither is a K
+    refused = student.on_ranks(N, _bad_servers, bad)[0]
+    for k, got in zip(bad, refused):
         assert got is not None and "ValueError" in got["raised"] and "servers" in got["message"], (
-            f"sharded_server_average(tensor, servers={k}) on {N} ranks: "
+            f"sharded_server_average(tensor, servers={k!r}) on {N} ranks: "
             f"{'accepted' if got is None else 'raised ' + got['raised'][0] + ': ' + got['message'][:200]}; "
-            f"expected a ValueError naming servers and the values it may take")
+            f"expected a ValueError naming servers and the values it may take (an int from 1 to {N})")
 
 
 @pytest.mark.points(3)

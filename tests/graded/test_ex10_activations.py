@@ -4,7 +4,9 @@ on plain data, against references computed here: the plain block in float64 (sam
 generator state), the same ZeRO-3 engine without a checkpoint on trusted ranks, and the grader's
 own measurement of what a block saves. Observed, not read from the code: what autograd saves during
 the forward (saved-tensor hooks), what stays allocated (torch's profiler), how often the block's
-layers run in forward and in backward (forward hooks)."""
+layers run in forward and in backward (forward hooks), whether each gradient lands IN the .grad
+already there (a view into a flat buffer, as engines keep them) before the parameter's
+post-accumulate-grad hook runs."""
 import pytest
 import torch
 import torch.nn as nn
@@ -191,6 +193,65 @@ def test_recomputes_once(student):
     assert got["forward"] == 1, f"the block ran {got['forward']} times in forward (expected once)"
     assert got["backward"] == 1, (f"the block ran {got['backward']} times during backward (expected exactly "
                                   f"one recomputation)")
+
+
+def _in_place(fn):
+    """``fn(block, x)`` on a block whose parameters' .grad are views into one flat buffer holding a
+    gradient already (as an engine's buckets: zerolab's data-parallel engines, lesson 02's averager,
+    DDP's gradient_as_bucket_view), each parameter with a post-accumulate-grad hook (where engines
+    pick a finished gradient up): the buffer after backward, and what each hook saw. Shared by the
+    probe (the submission's process) and the reference (here); it decides nothing."""
+    block = models.build("gpt", seed=0, dtype=torch.float64, **SHAPE).blocks[1]
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, SHAPE["seq_len"], SHAPE["d_model"], dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(x.shape, dtype=torch.float64, generator=g)
+    params = list(block.named_parameters())
+    flat = torch.randn(sum(p.numel() for _, p in params), dtype=torch.float64, generator=g)
+    seen, ptrs, offset = {}, [], 0
+    for name, p in params:
+        p.grad = flat[offset:offset + p.numel()].view_as(p)
+        seen[name] = []
+        ptrs.append(p.grad.data_ptr())
+
+        def hook(q, name=name, ptr=p.grad.data_ptr()):
+            seen[name].append({"in_backward": torch._C._current_graph_task_id() != -1,
+                               "in_buffer": q.grad is not None and q.grad.data_ptr() == ptr,
+                               "grad": None if q.grad is None else q.grad.detach().clone()})
+        p.register_post_accumulate_grad_hook(hook)
+        offset += p.numel()
+    (fn(block, x) * w).sum().backward()
+    return {"flat": flat, "seen": seen,
+            "views_kept": [p.grad is not None and p.grad.data_ptr() == ptr for (_, p), ptr in zip(params, ptrs)]}
+
+
+def _probe_in_place():
+    return _in_place(exercise_module("ex10_activations").checkpointed)
+
+
+@pytest.mark.points(2)
+def test_gradients_added_in_place_before_the_hooks(student):
+    """gradients added INTO each parameter's .grad (views into an engine's flat buffer stay views and receive
+    them), then each parameter's post-accumulate-grad hook runs once, inside backward"""
+    got, want = student.run(_probe_in_place), _in_place(_plain)
+    names = list(want["seen"])
+    for name, kept in zip(names, got["views_kept"]):
+        assert kept, (f"after backward, the .grad of {name} is no longer the view into the flat gradient buffer it "
+                      f"was before: a plain backward adds the gradient INTO the .grad already there, so an engine "
+                      f"whose .grad are views into its buckets (zerolab's data-parallel engines, DDP's "
+                      f"gradient_as_bucket_view) reduces what the bucket holds; a .grad replaced by a new tensor "
+                      f"leaves the bucket without this gradient")
+    _close(got["flat"], want["flat"], "the flat buffer the .grad are views of (it held a gradient already: "
+           "backward adds to it)", rtol=1e-10, atol=1e-12)
+    for name in names:
+        calls, ref = got["seen"].get(name, []), want["seen"][name]
+        assert len(calls) == 1 and calls[0]["in_backward"], (
+            f"the post-accumulate-grad hook on {name} ran {len(calls)} times"
+            f"{'' if not calls else ' (' + ', '.join('inside' if c['in_backward'] else 'outside' for c in calls) + ' backward)'}"
+            f"; a plain backward runs it once, inside backward, once the gradient is in .grad")
+        assert calls[0]["in_buffer"], (f"when the post-accumulate-grad hook on {name} ran, .grad was not the view into "
+                                       f"the flat buffer: the engine's hook would miss the gradient")
+        _close(calls[0]["grad"], ref[0]["grad"], f"the .grad the hook on {name} saw (the sum of the gradient "
+               f"already there and this backward's)", rtol=1e-10, atol=1e-12)
 
 
 class _Checkpointed(nn.Module):
