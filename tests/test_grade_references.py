@@ -110,15 +110,16 @@ for test_file in sorted(pathlib.Path(sys.argv[2]).glob("test_ex*.py")):
 print(json.dumps(out))
 '''
 
-CHEATS = {
-    # bound at import by a computed name: the namespace check
-    "bound": "import importlib\nring_all_reduce = importlib.import_module('zerolab.' + 'ring').ring_all_reduce",
+CHEATS = {   # each past the static rules: zerolab.quantize (allowed) loads zerolab.ring, reached
+             # through a name the static check does not follow
+    # bound at import: the namespace check
+    "bound": "import zerolab.quantize\nz = zerolab\nring_all_reduce = z.ring.ring_all_reduce",
     # reached at call time: the guarded function refuses a call from the submitted file
-    "call": "import sys, zerolab.ring\ndef run():\n    getattr(sys.modules['zerolab.ring'], 'ring_' + 'all_reduce')(None)",
+    "call": "import zerolab.quantize\ndef run():\n    z = zerolab\n    z.ring.ring_all_reduce(None)",
     # the allowed step, at call time: fine
-    "allowed": "import importlib\ndef run():\n    return importlib.import_module('zerolab.' + 'ring').exchange",
-    # a subclass of the reference optimizer
-    "zero1_subclass": "import importlib\nclass Zero1Optimizer(importlib.import_module('zerolab.zero' + '1').Zero1Optimizer):\n    pass",
+    "allowed": "import zerolab.quantize\ndef run():\n    z = zerolab\n    return z.ring.exchange",
+    # a subclass of the reference optimizer (zerolab.stages loads zerolab.zero1)
+    "zero1_subclass": "import zerolab.stages\nz = zerolab\nclass Zero1Optimizer(z.zero1.Zero1Optimizer):\n    pass",
 }
 
 
