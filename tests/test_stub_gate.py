@@ -71,9 +71,17 @@ def assertion_on_ranks():
     assert ex().wrong() == 42, "wrong on a rank"
 
 
+def call(name):
+    return getattr(ex(), name)()
+
+
+def import_missing():
+    exercise_module("ex00_gate_missing")
+
+
 @pytest.mark.points(1)
-def test_stub_here():
-    ex().stub()
+def test_stub_in_one_process(student):
+    student.run(call, "stub")
 
 
 @pytest.mark.points(1)
@@ -82,30 +90,36 @@ def test_stub_on_ranks(on_ranks):
 
 
 @pytest.mark.points(1)
-def test_assertion_of_the_test():
-    assert ex().wrong() == 42
+def test_assertion_of_the_test(student):
+    assert student.run(call, "wrong") == 42
 
 
 @pytest.mark.points(1)
-def test_not_implemented_by_the_test():
-    ex()
+def test_not_implemented_by_the_test(student):
+    student.run(call, "right")
     raise NotImplementedError("raised by the test, not the stub")
 
 
 @pytest.mark.points(1)
-def test_import_error():
-    exercise_module("ex00_gate_missing")
+def test_import_error(student):
+    student.run(import_missing)
 
 
 @pytest.mark.points(1)
-def test_fixture_error(broken):
-    ex().stub()
+def test_fixture_error(broken, student):
+    student.run(call, "stub")
 
 
 @pytest.mark.points(1)
 @pytest.mark.timeout(3)
 def test_timeout():
-    ex().slow()
+    import time
+    time.sleep(60)       # the test itself runs out of time: not the stub
+
+
+@pytest.mark.points(1)
+def test_the_submission_imported_where_the_verdict_is_decided():
+    ex().stub()          # refused in the trusted process, whatever the stub would have raised
 
 
 @pytest.mark.points(1)
@@ -129,17 +143,17 @@ def test_assertion_on_ranks(on_ranks):
 
 
 @pytest.mark.points(1)
-def test_passes():
-    assert ex().right() == 42
+def test_passes(student):
+    assert student.run(call, "right") == 42
 '''
 
 # test -> what the gate must say (None: the gate passes it).
 EXPECTED = {
-    "test_stub_here": None,
+    "test_stub_in_one_process": None,
     "test_stub_on_ranks": None,
     "test_assertion_of_the_test": "not because of the stub: AssertionError: assert 41 == 42",
     "test_not_implemented_by_the_test": "not because of the stub: NotImplementedError raised from",
-    "test_import_error": "not because of the stub: ModuleNotFoundError",
+    "test_import_error": "not because of the stub: rank 0 raised ModuleNotFoundError",
     "test_fixture_error": "not because of the stub: its setup failed",
     "test_timeout": "not because of the stub: Failed: Timeout",
     "test_rank_timeout": "not because of the stub: RankTimeout: ranks 0, 1 did not finish within 3 s",
@@ -147,6 +161,9 @@ EXPECTED = {
     "test_another_error_on_a_rank": "not because of the stub: rank 1 raised ValueError",
     "test_assertion_on_ranks": "not because of the stub: rank 0 raised AssertionError",
     "test_passes": "PASSED on the untouched stubs",
+    "test_the_submission_imported_where_the_verdict_is_decided":
+        "not because of the stub: RuntimeError: exercise_module('ex00_gate') called in the process that "
+        "decides the verdicts",
 }
 
 
