@@ -5,6 +5,7 @@ tests/test_grade_adversarial.py."""
 import io
 import os
 import pathlib
+import stat
 import subprocess
 import sys
 import types
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from zerolab import _protocol
-from zerolab.grade import cli, runner, tree
+from zerolab.grade import cli, runner, sandbox, tree
 from zerolab.grade.references import REFUSED, declaration, static_check
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -175,9 +176,9 @@ def test_probes_travel_by_value(tmp_path):
 def test_user_mode_refuses_a_checkout_others_may_read(tmp_path):
     private = tmp_path / "private"
     private.mkdir(mode=0o700)
-    assert not runner._others_may_read(private)
+    assert not sandbox.others_may(private, stat.S_IROTH)
     public = tmp_path / "public"
     public.mkdir(mode=0o755)
     os.chmod(public, 0o755)
-    assert runner._others_may_read(public) == all(
+    assert sandbox.others_may(public, stat.S_IROTH) == all(
         os.stat(p).st_mode & 0o001 for p in [*public.parents][:-1])

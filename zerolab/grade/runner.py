@@ -35,7 +35,7 @@ import time
 from zerolab.grade.checkout import REPO, exercise_name, graded_dir
 from zerolab.grade.helpers import SANDBOX, TRUSTED_PID
 from zerolab.grade.references import REFUSED, declaration, static_check
-from zerolab.grade.sandbox import SandboxUnavailable, mode, unavailable_reason
+from zerolab.grade.sandbox import SandboxUnavailable, mode, others_may, unavailable_reason
 from zerolab.grade.tree import PACKAGE, make_tree
 
 TEST_TIMEOUT = 240.0  # seconds per graded test, the ranks' start-up included
@@ -235,7 +235,7 @@ def sandbox_mode(sandbox):
     if sandbox == "off":
         return None, "the sandbox was turned off (--no-sandbox)"
     reason, how = unavailable_reason(), mode()
-    exposed = [p for p in (REPO / "solutions", REPO / "tests") if how == "user" and _others_may_read(p)]
+    exposed = [p for p in (REPO / "solutions", REPO / "tests") if how == "user" and others_may(p, stat.S_IROTH)]
     if exposed:  # the lesser sandbox hides no file: the answers must be closed to other users
         how, reason = None, (f"{reason}; the lesser sandbox (the submission's own user id) would let a "
                              f"submission read {exposed[0]}: make the checkout private first "
@@ -247,22 +247,6 @@ def sandbox_mode(sandbox):
         raise SandboxUnavailable(f"{reason}. Instructor mode (--csv, --gradescope) grades only in the "
                                  f"sandbox; --no-sandbox grades without it, trusting the submissions")
     return how, reason
-
-
-def _others_may_read(path):
-    """Whether a user with no rights of its own could list or read ``path``: every folder on the
-    way searchable by others, and ``path`` itself readable by them."""
-    try:
-        if not os.stat(path).st_mode & stat.S_IROTH:
-            return False
-        folder = os.path.dirname(os.path.realpath(path))
-        while folder not in ("/", ""):
-            if not os.stat(folder).st_mode & stat.S_IXOTH:
-                return False
-            folder = os.path.dirname(folder)
-    except OSError:
-        return False
-    return True
 
 
 def _remove_files_of(uid):

@@ -30,6 +30,7 @@ import json
 import os
 import resource
 import signal
+import stat
 import sys
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
@@ -240,15 +241,15 @@ def mode():
         return "namespaces"
     if not (sys.platform.startswith("linux") and os.geteuid() == 0):
         return None
-    return "user" if _others_may_run(os.path.realpath(sys.executable)) else None
+    return "user" if others_may(sys.executable, stat.S_IROTH | stat.S_IXOTH) else None
 
 
-def _others_may_run(path):
-    """Whether a user with no rights of its own may run ``path``: every folder on the way
-    searchable by others, the file readable and executable by them."""
-    import stat
+def others_may(path, bits):
+    """Whether a user with no rights of its own has the permission ``bits`` (stat.S_IROTH,
+    S_IXOTH, or both) on ``path``, every folder on the way searchable by others."""
     try:
-        if os.stat(path).st_mode & (stat.S_IROTH | stat.S_IXOTH) != (stat.S_IROTH | stat.S_IXOTH):
+        path = os.path.realpath(path)
+        if os.stat(path).st_mode & bits != bits:
             return False
         folder = os.path.dirname(path)
         while folder not in ("/", ""):
