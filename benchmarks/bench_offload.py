@@ -68,7 +68,9 @@ def adam_rounds(numel, timed=7):
 
 
 def _contenders():
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from zerolab import rank_device
 
     import zerolab.engine
     out = {}
@@ -97,9 +99,10 @@ def _contenders():
     for label, policy in (("torch FSDP2 fully_shard, AdamW fused", None),
                           ("torch FSDP2 + CPUOffloadPolicy (params too: ZeRO-3 + offload)", "cpu")):
         model = models.build("gpt", seed=0, **MODEL)
-        kw = {}
+        # the ranks' own device: CPU under gloo (named, or FSDP2 would pick a GPU where one is visible)
+        kw = {"mesh": init_device_mesh(rank_device().type, (dist.get_world_size(),))}
         if policy:   # pinned host memory needs a GPU; without one it is plain memory
-            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=rank_device().type == "cuda")
         for block in model.blocks:
             fully_shard(block, **kw)
         fully_shard(model, **kw)

@@ -26,7 +26,9 @@ BATCH = 8
 
 def _contenders():
     """name -> (one training step function, engine or None); all built from the same seed."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from zerolab import rank_device
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -56,9 +58,10 @@ def _contenders():
     out["torch ZeroRedundancyOptimizer + DDP"] = (
         torch_step(zro, ZeroRedundancyOptimizer(zro.parameters(), torch.optim.AdamW, lr=1e-3)), None)
     fsdp = models.build("gpt", seed=0, **MODEL)
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))   # CPU under gloo, named
     for block in fsdp.blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(fsdp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(fsdp, mesh=mesh, reshard_after_forward=False)
     out["torch FSDP2 (reshard_after_forward=False)"] = (
         torch_step(fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-3)), None)
     return out

@@ -11,7 +11,9 @@ is printed at the end of the session, exercise by exercise.
 
 A wrong answer may also name, in its docstring, the graded test aimed at its mistake (a line
 ``Caught by: test_name.``; several names separated by commas): that test must then be among the
-ones that fail, so that a wrong answer rejected only by accident (a test aimed elsewhere) is seen.
+ones that fail, so that a wrong answer rejected only by accident (a test aimed elsewhere) is seen. Such an answer is
+then run against the tests it names only, which is enough for the verdict and a fraction of the
+cost; ``ZEROLAB_WRONG_ANSWERS=all`` runs every graded test on every answer (before a release).
 
 To add a wrong answer, drop a file in tests/graded/wrong/ named after its exercise (and, if you
 like, naming the test that must catch it); nothing else.
@@ -70,22 +72,32 @@ def test_every_wrong_answer_has_an_exercise_and_every_exercise_has_eight():
     assert not unknown, f"'Caught by:' names a test its exercise's graded file does not define: {unknown}"
 
 
-def _grade_each(test_file, wrong, tmp_path):
-    """Run ``test_file`` once per wrong answer in one pytest session; {answer: [result rows]}."""
+def _grade_each(test_file, wrong, tmp_path, *, every_test):
+    """Run ``test_file`` once per wrong answer in one pytest session; {answer: [result rows]}.
+
+    Unless ``every_test``, an answer whose docstring names the tests that catch it runs only those
+    (a verdict needs one failing test, and the named one must be among the failures anyway): the
+    same verdict at a fraction of the cost, since a wrong answer passes every test before the one
+    aimed at its mistake. ``ZEROLAB_WRONG_ANSWERS=all`` runs every graded test on every answer."""
     name = exercise_name(test_file)
-    folders = []
+    folders, only = [], {}
     for path in wrong:
         folder = tmp_path / path.stem
         folder.mkdir()
         shutil.copy(path, folder / f"{name}.py")
         folders.append(str(folder))
+        if caught_by(path) and not every_test:
+            only[str(folder)] = caught_by(path)
+    tests_file = tmp_path / "only.json"
+    tests_file.write_text(json.dumps(only))
     report = tmp_path / "report.jsonl"
     env = dict(os.environ, ZEROLAB_TEST_TIMEOUT="90")
     for key in ("PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS", "ZEROLAB_IMPL"):
         env.pop(key, None)
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-         "--impl-each", os.pathsep.join(folders), "--impl-report", str(report)],
+         "--impl-each", os.pathsep.join(folders), "--impl-report", str(report),
+         "--impl-tests", str(tests_file)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1500)
     rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
     by_answer = {p.stem: [r for r in rows if pathlib.Path(r["impl"]).name == p.stem] for p in wrong}
@@ -99,7 +111,8 @@ def test_graded_tests_reject_every_wrong_answer(lesson, tmp_path, kill_rates):
     for path in wrong:                   # rejected for its mistake, not for using the reference
         reason = static_check(path.read_bytes(), f"{exercise_name(test_file)}.py", refused, allowed)
         assert reason is None, f"{path.name} would be refused before any test runs: {reason}"
-    by_answer, output = _grade_each(test_file, wrong, tmp_path)
+    every_test = os.environ.get("ZEROLAB_WRONG_ANSWERS") == "all"
+    by_answer, output = _grade_each(test_file, wrong, tmp_path, every_test=every_test)
     lines, problems = [], []
     for path in wrong:
         rows = by_answer[path.stem]
@@ -108,7 +121,9 @@ def test_graded_tests_reject_every_wrong_answer(lesson, tmp_path, kill_rates):
         if not rows:
             problems.append(f"{path.name}: no graded test ran")
         elif not failed:
-            problems.append(f"{path.name}: passed all {len(rows)} graded tests")
+            problems.append(f"{path.name}: passed all {len(rows)} graded tests it ran"
+                            + ("" if every_test or not caught_by(path) else
+                               f" (those its 'Caught by:' line names; ZEROLAB_WRONG_ANSWERS=all runs all)"))
         else:
             broken = [r["test"] for r in failed if BROKEN.search(r["message"])]
             if broken:
