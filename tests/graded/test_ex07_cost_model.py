@@ -260,7 +260,9 @@ def test_step_time_at_another_scale(student):
     calls, wants = [], []
     for name in TIMELINES:
         for psi, n in ((0.5e9, 8), (20e9, 64)):
-            for tokens in (1000, 20_000, 1_000_000):         # comm-bound, in between, compute-bound
+            # comm-bound, in between (at Ψ = 0.5e9 on 8 ranks, 30,000 tokens: "across the phases"
+            # forward waits for its all-reduce, its backward does not), compute-bound
+            for tokens in (1000, 20_000, 30_000, 1_000_000):
                 calls.append(((TIMELINES[name][0], psi, n), dict(tokens_per_rank=tokens, **HW)))
                 wants.append((f"step_time({name}, Ψ={psi:g}, N={n}, {tokens} tokens per rank)", _by_hand(name, psi, n, tokens)))
         calls.append(((TIMELINES[name][0], 0.5e9, 1), dict(tokens_per_rank=1000, **HW)))
