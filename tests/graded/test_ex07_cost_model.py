@@ -227,7 +227,7 @@ def _model(timeline, placed, psi, n, tokens):
 # -- the graded tests -------------------------------------------------------------------------------------
 @pytest.mark.points(3)
 def test_placement_read_off_the_timeline(student):
-    """placement: each collective hides only under the compute it was in flight beside"""
+    """placement: the phase whose compute hid each collective, read off the timeline"""
     cases = {**TIMELINES, **{name: _ideal_step(*IDEAL[name])[:2] for name in IDEAL}}
     calls = [((timeline,), {}) for timeline, _ in cases.values()]
     base = TIMELINES["launched in a gap"][0]

@@ -1,7 +1,7 @@
 """Wrong answer to exercise 07: the collectives hidden under a phase run side by side, each on a link
 of its own: the phase lasts the longer of its compute and its LONGEST collective, not of their sum.
 
-Caught by: test_step_time_at_another_scale, test_step_time_reproduces_an_ideal_step."""
+Caught by: test_step_time_at_another_scale."""
 PHASES = ("forward", "backward")
 RING_PHASES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}   # an all-reduce: RS then AG
 FLOPS_PER_TOKEN = {"forward": 2, "backward": 4}                         # x Ψ (ZeRO-3's gathers: bytes)

@@ -3,7 +3,7 @@ compute and ALL its communication (perfect overlap everywhere), the model lesson
 right where compute or communication dominates everything, wrong wherever some communication
 cannot hide.
 
-Caught by: test_step_time_at_another_scale, test_step_time_reproduces_an_ideal_step."""
+Caught by: test_step_time_at_another_scale."""
 PHASES = ("forward", "backward")
 RING_PHASES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}   # an all-reduce: RS then AG
 FLOPS_PER_TOKEN = {"forward": 2, "backward": 4}                         # x Ψ (ZeRO-3's gathers: bytes)

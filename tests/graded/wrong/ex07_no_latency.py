@@ -2,7 +2,7 @@
 bandwidth term, (N-1)/N·S/bandwidth: the N-1 latencies of its steps are left out (they matter for
 the many small collectives of ZeRO-3 and at large N).
 
-Caught by: test_step_time_at_another_scale, test_step_time_reproduces_an_ideal_step."""
+Caught by: test_step_time_at_another_scale."""
 PHASES = ("forward", "backward")
 RING_PHASES = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}   # an all-reduce: RS then AG
 FLOPS_PER_TOKEN = {"forward": 2, "backward": 4}                         # x Ψ (ZeRO-3's gathers: bytes)
