@@ -42,9 +42,9 @@ def placement(timeline):
     hides in one system and not in another). The model hides a collective whole under one phase;
     where compute of both phases hid parts of one, it goes to the phase that hid more of it.
     Graded, answer by answer, on one measured stage-3 step and on steps built after the schedules of
-    stages 0-3 with and without prefetch and of other systems (Megatron-LM's overlapped parameter
+    stages 0-3 (stage 3 with and without prefetch) and of other systems (Megatron-LM's overlapped parameter
     gather, collectives crossing from forward into backward, one launched while nothing computes),
-    including steps that the 07.2 model runs exactly. A span of an unknown kind or phase, or one that
+    including steps that 07.2's ideal machine runs. A span of an unknown kind or phase, or one that
     ends before it starts: a ValueError naming it."""
     raise NotImplementedError(
         "Exercise 07.1: for each collective, the phase whose compute hid it, read off the timeline.")
@@ -57,10 +57,11 @@ def step_time(timeline, num_params, world_size, *, tokens_per_rank, peak_flops, 
 
     Contract: what carries over from the measurement is the system's schedule (its collectives,
     their kinds, their buffers relative to Ψ, and where 07.1 finds each one hides), never its
-    durations. The model is the ideal machine of lesson 07 section 3: FLOPs per token per phase and
-    the ring's alpha-beta time per collective as that section counts them; one link, which carries
+    durations. The model is an ideal machine: FLOPs per token per phase and the ring's alpha-beta
+    time per collective as lesson 07 section 3 counts them; one link, which carries
     one collective at a time; and no other cost and no other dependency: within a phase, its
-    compute and the collectives it hides overlap perfectly. One rank: no communication.
+    compute and the collectives it hides overlap perfectly, and the device waits for a collective
+    that nothing hides. One rank: no communication.
 
     Graded against cases computed by hand, from communication-bound to compute-bound, and by
     consistency: on steps the ideal machine ran (compute and collectives lasting exactly what the
