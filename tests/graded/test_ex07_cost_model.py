@@ -13,9 +13,9 @@ is worked out by hand below, span by span; the step times are computed here from
 the ring formula and the FLOP counts. Then steps the ideal machine runs (built here, span by span:
 compute lasting its FLOPs, collectives their ring time, one at a time on one link, each launched when
 its segment of the step starts): the model, at the run's own Ψ, N and hardware, must give the step's
-length, and placement the phase each collective was built beside. The largest model is checked against the ZeRO papers'
-headline numbers (arXiv 1910.02054, arXiv 2101.06840) and cases by hand (a reserve larger than the
-memory fits nothing)."""
+length, and placement the phase each collective was built beside. The largest model is checked
+against the ZeRO papers' headline numbers (arXiv 1910.02054, arXiv 2101.06840) and cases by hand
+(a reserve larger than the memory fits nothing)."""
 import pytest
 
 from zerolab.grade.helpers import exercise_module
