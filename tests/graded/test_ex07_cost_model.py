@@ -10,16 +10,19 @@ compute spans), a stage-2 system whose parameter all-gather of the update overla
 (Megatron-LM's distributed optimizer with overlap_param_gather), collectives that span the end of
 forward and the start of backward, one launched in a gap and in flight into compute. Their placement
 is worked out by hand below, span by span; the step times are computed here from that placement,
-the ring formula and the FLOP counts. The largest model is checked against the ZeRO papers'
-headline numbers (arXiv 1910.02054, arXiv 2101.06840) and cases by hand (a reserve larger than the
-memory fits nothing)."""
+the ring formula and the FLOP counts. Then steps the ideal machine runs (built here, span by span:
+compute lasting its FLOPs, collectives their ring time, one at a time on one link, each launched when
+its segment of the step starts): the model, at the run's own Ψ, N and hardware, must give the step's
+length, and placement the phase each collective was built beside. The largest model is checked
+against the ZeRO papers' headline numbers (arXiv 1910.02054, arXiv 2101.06840) and cases by hand
+(a reserve larger than the memory fits nothing)."""
 import pytest
 
 from zerolab.grade.helpers import exercise_module
 
 # The reference implementation of this exercise: a submission that uses it scores 0
 # (checked before and while the tests run, by zerolab.grade.references).
-REFERENCE_MODULES = ["zerolab.cost", "zerolab.calculator", "zerolab.calibrate"]
+REFERENCE_MODULES = ["zerolab.cost", "zerolab.calculator", "zerolab.calibrate", "zerolab.memory"]
 
 # Hand-picked hardware: 100 TFLOP/s at 50% -> 50 TFLOP/s; 1 GB/s links with 10 µs per ring step.
 HW = dict(peak_flops=100e12, mfu=0.5, bandwidth=1e9, latency=1e-5)
@@ -115,6 +118,51 @@ TIMELINES = {
 }
 
 
+# -- steps the ideal machine runs, built here ------------------------------------------------------------
+def _ideal_step(psi, n, tokens, segments):
+    """A step of the ideal machine, span by span, at Ψ = psi on n ranks with HW: ``segments`` in order,
+    each (phase or None, its share of that phase's compute, [(op, bytes), ...]). A phase segment
+    computes from its start (two back-to-back compute spans) while its collectives run one after
+    another on the link from the same moment; a None segment only runs its collectives. A segment ends
+    when its compute and its collectives are both done. -> (timeline, placement of each collective:
+    the segment's phase if it was launched before the segment's compute ended, else None; length)."""
+    rate = HW["peak_flops"] * HW["mfu"]
+    t, spans, placed = 0.0, [], []
+    for phase, share, ops in segments:
+        c = share * {F: 2, B: 4}[phase] * psi * tokens / rate if phase else 0.0
+        if phase:
+            spans += [{"kind": "compute", "phase": phase, "start": t, "end": t + c / 3},
+                      {"kind": "compute", "phase": phase, "start": t + c / 3, "end": t + c}]
+        link = t
+        for op, nbytes in ops:
+            d = _ring(op, nbytes, n)
+            spans.append({"kind": op, "bytes": nbytes, "start": link, "end": link + d})
+            placed.append(phase if link < t + c else None)
+            link += d
+        t = max(t + c, link)
+    return {"num_params": psi, "world_size": n, "spans": spans}, placed, t
+
+
+AG, RS, AR = "all_gather", "reduce_scatter", "all_reduce"
+# name: (Ψ, N, tokens per rank, segments); at Ψ = 1e6 and 50 TFLOP/s, 1e5 tokens compute 4 + 8 ms.
+IDEAL = {
+    "ideal data parallel, buckets hidden": (1e6, 4, 100_000, [
+        (F, 1, []), (B, 1 / 3, []), (B, 1 / 3, [(AR, 800_000)]), (B, 1 / 3, [(AR, 800_000)]),
+        (None, 0, [(AR, 400_000)])]),
+    "ideal data parallel, backward communication-bound": (1e6, 4, 10_000, [
+        (F, 1, []), (B, 1, [(AR, 800_000), (AR, 800_000), (AR, 400_000)])]),
+    "ideal ZeRO-3 without prefetch": (1e6, 4, 100_000, [
+        (None, 0, [(AG, 400_000)]), (F, 1 / 2, []), (None, 0, [(AG, 800_000)]), (F, 1 / 2, []),
+        (None, 0, [(AG, 800_000)]), (B, 1 / 2, []), (None, 0, [(RS, 800_000), (AG, 800_000)]),
+        (B, 1 / 2, []), (None, 0, [(RS, 800_000), (RS, 400_000)])]),
+    "ideal ZeRO-3 with prefetch": (1e6, 4, 100_000, [
+        (None, 0, [(AG, 400_000)]), (F, 1 / 2, [(AG, 800_000)]), (F, 1 / 2, [(AG, 800_000)]),
+        (B, 1 / 2, [(AG, 800_000), (RS, 800_000)]), (B, 1 / 2, [(RS, 800_000)]), (None, 0, [(RS, 400_000)])]),
+    "ideal stage 2, gather in the next forward, both phases communication-bound": (1e6, 8, 20_000, [
+        (F, 1, [(AG, 2_000_000)]), (B, 1, [(RS, 1_000_000), (RS, 1_000_000)])]),
+}
+
+
 # -- a probe: run the submission, return what it did ---------------------------------------------------
 def _results(function, calls):
     """``function`` of the exercise on each argument tuple of ``calls``: per call, {"value": ...} or
@@ -155,9 +203,15 @@ def _ring(op, nbytes, n):
 
 
 def _by_hand(name, psi, n, tokens):
-    """The step of timeline ``name`` at Ψ = psi on n ranks: its collectives at scale, placed as worked
-    out above; each phase the longer of its compute and what hides under it; the rest added."""
+    """The step of timeline ``name`` at Ψ = psi on n ranks, its collectives placed as worked out above."""
     timeline, placed = TIMELINES[name]
+    return _model(timeline, placed, psi, n, tokens)
+
+
+def _model(timeline, placed, psi, n, tokens):
+    """The ideal model, here: the timeline's collectives at Ψ = psi on n ranks, placed as ``placed``
+    says; each phase the longer of its compute and what hides under it (one link: they add up); the
+    rest added."""
     scale = psi / timeline["num_params"]
     compute = {F: 2 * psi * tokens / 50e12, B: 4 * psi * tokens / 50e12}
     hidden, exposed = {F: 0.0, B: 0.0}, 0.0
@@ -173,8 +227,9 @@ def _by_hand(name, psi, n, tokens):
 # -- the graded tests -------------------------------------------------------------------------------------
 @pytest.mark.points(3)
 def test_placement_read_off_the_timeline(student):
-    """placement: each collective hides only under the compute it was in flight beside"""
-    calls = [((timeline,), {}) for timeline, _ in TIMELINES.values()]
+    """placement: the phase whose compute hid each collective, read off the timeline"""
+    cases = {**TIMELINES, **{name: _ideal_step(*IDEAL[name])[:2] for name in IDEAL}}
+    calls = [((timeline,), {}) for timeline, _ in cases.values()]
     base = TIMELINES["launched in a gap"][0]
     bad = {
         "a collective of an unknown kind ('all_to_all')":
@@ -185,17 +240,17 @@ def test_placement_read_off_the_timeline(student):
     }
     calls += [((timeline,), {}) for timeline in bad.values()]
     results = student.run(_results, "placement", calls)
-    for (name, (_, want)), result in zip(TIMELINES.items(), results):
+    for (name, (timeline, want)), result in zip(cases.items(), results):
         got = _value(result, f"placement({name})")
         assert isinstance(got, (list, tuple)) and len(got) == len(want), (
             f"placement({name}): {got!r}; expected one entry per collective ({len(want)})")
-        wrong = [f"collective {i} ({TIMELINES[name][0]['spans'][j]['kind']} "
-                 f"[{TIMELINES[name][0]['spans'][j]['start'] * 1e3:g}, {TIMELINES[name][0]['spans'][j]['end'] * 1e3:g}] ms): "
+        spans = timeline["spans"]
+        wrong = [f"collective {i} ({spans[j]['kind']} [{spans[j]['start'] * 1e3:g}, {spans[j]['end'] * 1e3:g}] ms): "
                  f"{g!r}, expected {w!r}"
-                 for i, (j, g, w) in enumerate(zip([k for k, s in enumerate(TIMELINES[name][0]["spans"])
-                                                    if s["kind"] != "compute"], got, want)) if g != w]
+                 for i, (j, g, w) in enumerate(zip([k for k, s in enumerate(spans) if s["kind"] != "compute"],
+                                                   got, want)) if g != w]
         assert not wrong, f"placement({name}): " + "; ".join(wrong)
-    for what, result in zip(bad, results[len(TIMELINES):]):
+    for what, result in zip(bad, results[len(cases):]):
         _refused(result, f"placement of a timeline with {what}")
 
 
@@ -205,7 +260,9 @@ def test_step_time_at_another_scale(student):
     calls, wants = [], []
     for name in TIMELINES:
         for psi, n in ((0.5e9, 8), (20e9, 64)):
-            for tokens in (1000, 20_000, 1_000_000):         # comm-bound, in between, compute-bound
+            # comm-bound, in between (at Ψ = 0.5e9 on 8 ranks, 30,000 tokens: "across the phases"
+            # forward waits for its all-reduce, its backward does not), compute-bound
+            for tokens in (1000, 20_000, 30_000, 1_000_000):
                 calls.append(((TIMELINES[name][0], psi, n), dict(tokens_per_rank=tokens, **HW)))
                 wants.append((f"step_time({name}, Ψ={psi:g}, N={n}, {tokens} tokens per rank)", _by_hand(name, psi, n, tokens)))
         calls.append(((TIMELINES[name][0], 0.5e9, 1), dict(tokens_per_rank=1000, **HW)))
@@ -221,6 +278,22 @@ def test_step_time_at_another_scale(student):
     ph = lambda s: 7 * 1e-5 + 7 / 8 * s / 1e9
     assert _by_hand("ZeRO-3 without prefetch", 0.5e9, 8, 20_000) == pytest.approx(
         f + b + ph(2e8) + 2 * ph(4e8) + 2 * ph(4e8) + 2 * ph(4e8) + ph(2e8))
+    results = student.run(_results, "step_time", calls)
+    for (what, want), result in zip(wants, results):
+        _close(_value(result, what), want, what)
+
+
+@pytest.mark.points(2)
+def test_step_time_reproduces_an_ideal_step(student):
+    """the model run at the measured scale: on steps the ideal machine ran, the step's own length"""
+    calls, wants = [], []
+    for name, (psi, n, tokens, segments) in IDEAL.items():
+        timeline, placed, length = _ideal_step(psi, n, tokens, segments)
+        # The builder runs the model's machine, so the model, here, must give its length: a check of
+        # the builder, before the submission is asked.
+        assert _model(timeline, placed, psi, n, tokens) == pytest.approx(length, rel=1e-12), name
+        calls.append(((timeline, psi, n), dict(tokens_per_rank=tokens, **HW)))
+        wants.append((f"step_time({name}) at its own Ψ={psi:g}, N={n}, {tokens} tokens: the step's length", length))
     results = student.run(_results, "step_time", calls)
     for (what, want), result in zip(wants, results):
         _close(_value(result, what), want, what)
