@@ -2,7 +2,7 @@
 elements, ceil(Ψ/N), as zerolab's engines pad their flat buffers (what a measurement on an odd size
 shows). Right whenever N divides Ψ, as in the paper's example; the contract leaves padding out.
 
-Caught by: test_offload_moves_the_owned_states_to_the_host, test_offload_in_fp32.
+Caught by: test_offload_moves_the_owned_states_to_the_host.
 """
 
 

@@ -3,7 +3,7 @@ gradient shard is kept on the device (only the master and the moments go to the 
 stage 3's engine offloaded the optimizer alone. zerolab's Zero3OffloadEngine sends each unit's
 gradient shard to the host as its reduce-scatter lands, as stage 2 does.
 
-Caught by: test_offload_moves_the_owned_states_to_the_host, test_offload_in_fp32.
+Caught by: test_offload_moves_the_owned_states_to_the_host.
 """
 
 

@@ -3,7 +3,7 @@ goes to the host too (as FSDP2's CPUOffloadPolicy does), leaving the device no m
 is not ZeRO-Offload's cut: zerolab's offload engines keep the compute-precision parameter shard on
 the device at stage 3.
 
-Caught by: test_offload_moves_the_owned_states_to_the_host, test_offload_in_fp32.
+Caught by: test_offload_moves_the_owned_states_to_the_host.
 """
 
 
