@@ -5,7 +5,8 @@ optimizer state from the first step on, so what a step needs is a PEAK that a me
 after the step does not see. Here you build the instrument that catches it; how is yours.
 
 01.1 ``peak_model_states``: the peak, by kind and in all, measured while a step runs.
-01.2 ``model_state_bytes``: the ZeRO formulas (Rajbhandari et al., arXiv 1910.02054), derived.
+01.2 ``model_state_bytes``: one rank's bytes of each kind, on the device and on the host, at any ZeRO
+     stage, with or without offload: the accounting derived from its sources, not given.
 
 Grade your work:  ``make grade`` or, in lesson 01, ``zerolab.grade.check("01")``.
 """
@@ -45,20 +46,31 @@ def peak_model_states(model, optimizer, run_step):
 
 
 def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, offload=False):
-    """Per-rank model-state bytes predicted by ZeRO (Rajbhandari et al., Sec. 5) for ``stage`` 0
-    (plain data parallelism) to 3 (P_os, P_os+g, P_os+g+p) on ``world_size`` ranks:
-    {"params", "grads", "optimizer", "total"} on the device of one rank, and "host" (bytes in the
-    host memory of one rank; 0 without offload).
+    """The model-state bytes that ONE rank holds when ``num_params`` (Ψ) parameters train with Adam
+    on ``world_size`` (N) data-parallel ranks at ZeRO ``stage`` 0 (plain data parallelism), 1, 2 or
+    3 (P_os, P_os+g, P_os+g+p), with or without ZeRO-Offload. Returns
+    ``{"params", "grads", "optimizer", "total", "host"}``: the bytes of each kind on the rank's
+    device, their sum, and the bytes of model states in the rank's host memory (all kinds together).
 
-    Mixed precision: 2-byte params and grads, K = 12 (fp32 master, momentum, variance).
-    fp32 (``mixed_precision=False``): 4-byte params and grads, K = 8 (momentum, variance).
-    Exact values: Ψ/N may be fractional; do not round.
-    ``offload=True`` (ZeRO-Offload, stages 1-3): what a rank owns of the optimizer state (and, in
-    fp32, a 4-byte copy of its parameter shard for the host to update) and its gradient shard (2 or
-    4 bytes x Ψ/N) live on the host; the device keeps the parameters as the stage has them, and
-    the full gradient only in stage 1 (which does not partition gradients). Stage 0 with offload,
-    or any stage other than 0-3: a ValueError naming the setting.
-    Graded on the paper's worked example (Ψ = 7.5B, N = 64), on sizes no N divides, and on
-    ZeRO-Offload's split between device and host."""
+    The setting, by its sources (the bytes are yours to derive from them):
+
+    * ``mixed_precision=True``: the ZeRO paper's own setting, mixed-precision Adam (Rajbhandari et
+      al., arXiv 1910.02054, Sec. 3.1); what each stage partitions: its Sec. 5.
+    * ``mixed_precision=False``: the same Adam trained in fp32 throughout (lesson 01, section 3).
+    * ``offload=True``: placed as zerolab's offload engines place it,
+      ``zerolab.initialize(model, stage=..., param_dtype=..., offload="optimizer")`` (ZeRO-Offload,
+      Ren et al., arXiv 2101.06840, Sec. 4). You can build them on a few ranks, measure what each
+      holds and on which side (lesson 06, sections 2 and 4), and generalise.
+
+    What counts: model states only, in the kinds of 01.1 (an fp32 master copy is optimizer state).
+    Not counted: activations, Adam's step counters, transient buffers (gradient buckets in flight,
+    stage 3's gathered layers, a host kernel's workspace) and padding: a rank's share of a
+    partitioned state is exactly 1/N of it, fractional when N does not divide Ψ (do not round).
+    A setting that does not exist (a stage other than 0-3; offload without a partitioned optimizer,
+    i.e. at stage 0): a ValueError naming it.
+
+    Graded exactly, against closed forms the grader derives from the same sources: every kind on
+    the device and the host total, at every stage, in both precisions, with and without offload;
+    on the paper's worked example (Ψ = 7.5e9, N = 64) and on sizes that no N divides."""
     raise NotImplementedError(
         "Exercise 01.2: the bytes of each kind on one rank, at this stage, on the device and on the host.")

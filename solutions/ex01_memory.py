@@ -1,6 +1,5 @@
 """Worked answers to exercise 01: the peak of a step by kind, measured with hooks, and the ZeRO
-formulas (see lesson 01)."""
-from zerolab.memory import PRECISIONS
+formulas with ZeRO-Offload's placement, derived (see lesson 01)."""
 
 
 def _new_bytes(tensors, seen):
@@ -55,17 +54,22 @@ def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, of
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if offload and stage == 0:
         raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3), got stage 0")
-    b = PRECISIONS[mixed_precision]            # bytes/element: param, grad, K (ZeRO Sec. 3.1)
+    # Bytes per element (ZeRO Sec. 3.1): mixed precision computes on 2-byte params and grads, and
+    # Adam keeps an fp32 master, momentum and variance (K = 12); fp32 Adam keeps only the moments.
+    param, grad, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
     psi, n = num_params, world_size
     # ZeRO Sec. 5.1: P_os from stage 1, P_g from stage 2, P_p at stage 3.
-    params = b["param"] * psi / (n if stage >= 3 else 1)
-    grads = b["grad"] * psi / (n if stage >= 2 else 1)
-    optim = b["k"] * psi / (n if stage >= 1 else 1)
+    params = param * psi / (n if stage >= 3 else 1)
+    grads = grad * psi / (n if stage >= 2 else 1)
+    optim = k * psi / (n if stage >= 1 else 1)
     host = 0
     if offload:
-        # ZeRO-Offload: grad shard + optimizer state (fp32: plus the host's param-shard copy) on
-        # the host; stage 1 still holds the full gradient on the device.
-        host = (b["grad"] + b["k"] + (0 if mixed_precision else 4)) * psi / n
+        # zerolab's offload engines (ZeRO-Offload Sec. 4.1): what the rank owns goes to the host,
+        # its gradient shard and its optimizer state; in fp32 the host needs its own fp32 copy of
+        # the parameter shard to update (the device's parameters cannot be it). The device keeps
+        # the parameters as the stage has them, and stage 1, which does not partition gradients,
+        # its full gradient.
+        host = (grad + k + (0 if mixed_precision else 4)) * psi / n
         optim = 0
         grads = grads if stage == 1 else 0
     return {"params": params, "grads": grads, "optimizer": optim,

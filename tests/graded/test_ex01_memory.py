@@ -12,8 +12,11 @@ optimizer releases as it steps; a frozen layer and two micro-batches; a step ski
 overflow (gradients released, no optimizer step); parameters and gradients that are views into
 flat buffers the optimizer also keeps (storages shared by two kinds); torch DDP's bucket-view
 gradients on 2 real ranks; and a step that raises after its backward pass, after which no hook of
-the measurement may remain and the step's own exception must have come out. The theory (01.2) is checked against the ZeRO paper's worked example and
-closed forms (sharded kinds really 1/N, no rounding), offload's split and the invalid settings."""
+the measurement may remain and the step's own exception must have come out. The accounting (01.2) is
+checked exactly against closed forms derived here from the same sources the stub names (ZeRO Sec. 3.1
+and 5.1; ZeRO-Offload's placement as zerolab's offload engines hold it): every kind on the device and
+the host total, at every stage, in both precisions, with and without offload, on the paper's worked
+example and on sizes no N divides (no rounding, no padding), and the settings that do not exist."""
 import pytest
 import torch
 
@@ -23,9 +26,35 @@ from zerolab.grade.helpers import exercise_module
 # The reference implementation of this exercise: a submission that uses it scores 0
 # (checked before and while the tests run, by zerolab.grade.references).
 REFERENCE_MODULES = ["zerolab.memory", "zerolab.calculator"]
-REFERENCE_ALLOWED = ["zerolab.memory.PRECISIONS"]  # bytes per element, a table
 
 PSI, N = 7.5e9, 64
+ODD_PSI = 123_457                  # a prime: no N > 1 divides it, so every rank's share is fractional
+
+# 01.2's closed forms, derived here (trusted) from the sources the stub names; never the submission's.
+# Bytes per element of each kind. ZeRO Sec. 3.1, mixed-precision Adam: fp16 parameters and gradients,
+# and the optimizer's fp32 master copy, momentum and variance (K = 12); fp32 Adam (lesson 01, Sec. 3):
+# fp32 parameters and gradients, and the two moments (K = 8).
+BYTES = {True: {"params": 2, "grads": 2, "optimizer": 4 + 4 + 4},
+         False: {"params": 4, "grads": 4, "optimizer": 4 + 4}}
+# ZeRO Sec. 5.1: P_os partitions the optimizer states, P_os+g the gradients too, P_os+g+p the parameters too.
+PARTITIONED = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}
+
+
+def zero_bytes(psi, n, stage, mixed=True, offload=False):
+    """One rank's model-state bytes: each kind on the device, their total, and the host's bytes."""
+    device = {kind: b * psi / (n if kind in PARTITIONED[stage] else 1) for kind, b in BYTES[mixed].items()}
+    host = 0
+    if offload:
+        # zerolab's Zero{1,2,3}OffloadEngine (memory_report by host_kinds, measured on 2-3 ranks; ZeRO-Offload
+        # Sec. 4.1): the rank's optimizer state and its reduced gradient shard live on the host; in fp32
+        # the host also keeps its own 4-byte copy of the owned parameters to update (in mixed precision
+        # the fp32 master is that copy). The device keeps the parameters as the stage partitions them,
+        # and at stage 1 (gradients not partitioned) its full gradient.
+        host = (BYTES[mixed]["optimizer"] + BYTES[mixed]["grads"] + (0 if mixed else 4)) * psi / n
+        device["optimizer"] = 0
+        if "grads" in PARTITIONED[stage]:
+            device["grads"] = 0
+    return dict(device, total=sum(device.values()), host=host)
 MLP_TRAINABLE = (13 * 37 + 37) + (37 * 37 + 37) + (37 * 5 + 5)   # ToyMLP: inp, mid (used twice), out
 MLP_FROZEN = 37 * 37 + 37                                         # ToyMLP.frozen
 
@@ -277,65 +306,68 @@ def _formulas(student, calls):
 
 
 # ------------------------------------------------------------------------------------------ theory
+def _rows(student, cases):
+    """model_state_bytes for each (what, args, kwargs) of ``cases``, checked: no exception raised."""
+    rows = _formulas(student, [(args, kwargs) for _, args, kwargs in cases])
+    for (what, _, _), got in zip(cases, rows):
+        assert "raised" not in got, f"{what}: model_state_bytes raised {got.get('raised')}: {got.get('message')}"
+    return rows
+
+
 @pytest.mark.points(2)
 def test_paper_worked_example(student):
-    """derived: the ZeRO paper's 120, 31.4, 16.6, 1.88 GB"""
+    """derived: the ZeRO paper's 120, 31.4, 16.6, 1.88 GB, kind by kind"""
     # ZeRO Fig. 1: Ψ = 7.5B, N = 64, mixed-precision Adam: 120, 31.4, 16.6, 1.88 GB (1e9 bytes).
-    cases = [(0, 120.0, 120e9), (1, 31.4, 31.40625e9), (2, 16.6, 16.640625e9), (3, 1.88, 1.875e9)]
-    rows = _formulas(student, [((PSI, N, stage), {}) for stage, _, _ in cases])
-    for (stage, gb, exact), got in zip(cases, rows):
-        assert "raised" not in got, f"stage {stage}: model_state_bytes raised {got.get('raised')}: {got.get('message')}"
+    paper = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.88}
+    cases = [(f"stage {stage}, Ψ=7.5e9, N=64", (PSI, N, stage), {}) for stage in paper]
+    for (what, _, _), (stage, gb), got in zip(cases, paper.items(), _rows(student, cases)):
         assert round(got["total"] / 1e9, 2 if stage == 3 else 1) == gb, (
             f"stage {stage}: {got['total'] / 1e9:.4g} GB per rank, the paper says {gb} GB")
-        _expect(got, {"total": exact, "host": 0}, f"stage {stage}, Ψ=7.5e9, N=64")
+        _expect(got, zero_bytes(PSI, N, stage), what)
 
 
 @pytest.mark.points(2)
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "fp32"])
 def test_each_stage_shards_one_more_kind(student, mixed):
-    """derived: each stage divides one more kind by N"""
-    b, k = (2, 12) if mixed else (4, 8)
-    cases, calls = [], []
-    for psi in (1000, 123_457):                   # 123457 is divisible by none of the N below
-        for n in (1, 2, 3, 8):
-            p = g = b * psi
-            table = {0: (p, g, k * psi), 1: (p, g, k * psi / n), 2: (p, g / n, k * psi / n),
-                     3: (p / n, g / n, k * psi / n)}
-            for stage, (params, grads, optim) in table.items():
-                cases.append((f"stage {stage}, Ψ={psi}, N={n}, {'mixed' if mixed else 'fp32'}",
-                              {"params": params, "grads": grads, "optimizer": optim,
-                               "total": params + grads + optim, "host": 0}))
-                calls.append(((psi, n, stage), {"mixed_precision": mixed}))
-    calls.append(((1000, 8, 0), {"mixed_precision": mixed}))
-    rows = _formulas(student, calls)
-    for (what, want), got in zip(cases, rows):
-        assert "raised" not in got, f"{what}: model_state_bytes raised {got.get('raised')}: {got.get('message')}"
-        _expect(got, want, what)
-    assert rows[-1]["total"] == 16_000, f"data parallelism holds 16 bytes/param either way, got {rows[-1]['total'] / 1000}"
+    """derived: each stage divides one more kind by N, in both precisions, exactly"""
+    cases = [(f"stage {stage}, Ψ={psi}, N={n}, {'mixed' if mixed else 'fp32'}", (psi, n, stage),
+              {"mixed_precision": mixed})
+             for psi in (1000, ODD_PSI) for n in (1, 2, 3, 8) for stage in (0, 1, 2, 3)]
+    rows = _rows(student, cases)
+    for (what, args, _), got in zip(cases, rows):
+        _expect(got, zero_bytes(*args, mixed=mixed), what)
+    dp = rows[[args for _, args, _ in cases].index((1000, 8, 0))]
+    assert dp["total"] == 16_000, f"data parallelism holds 16 bytes/param either way, got {dp['total'] / 1000}"
+
+
+def _offload_cases(mixed):
+    return [(f"stage {stage} + offload, Ψ={psi:g}, N={n}, {'mixed' if mixed else 'fp32'}", (psi, n, stage),
+             {"mixed_precision": mixed, "offload": True})
+            for psi, n in ((PSI, N), (ODD_PSI, 1), (ODD_PSI, 3), (ODD_PSI, 8)) for stage in (1, 2, 3)]
 
 
 @pytest.mark.points(2)
 def test_offload_moves_the_owned_states_to_the_host(student):
-    """derived: ZeRO-Offload's split between device and host; invalid settings refused"""
-    # ZeRO-Offload (arXiv 2101.06840): the device keeps 2-byte params (2Ψ on top of stage 2);
-    # grad shard + fp32 master + moments, (2 + 12)Ψ/N, live on the host.
-    cases = [
-        (((PSI, N, 2), {"offload": True}), "stage 2 + offload",
-         {"params": 2 * PSI, "grads": 0, "optimizer": 0, "total": 2 * PSI, "host": 14 * PSI / N}),
-        (((PSI, N, 3), {"offload": True}), "stage 3 + offload",
-         {"params": 2 * PSI / N, "grads": 0, "optimizer": 0, "host": 14 * PSI / N}),
-        (((PSI, N, 1), {"offload": True}), "stage 1 + offload",
-         {"params": 2 * PSI, "grads": 2 * PSI, "optimizer": 0, "host": 14 * PSI / N}),
-        (((800, 4, 2), {"mixed_precision": False, "offload": True}), "fp32 stage 2 + offload",
-         {"params": 3200, "total": 3200, "host": (4 + 8 + 4) * 200}),
-    ]
-    bad = [((1000, 4, 0), {"offload": True}), ((1000, 4, 4), {"offload": False}),
-           ((1000, 4, -1), {"offload": False})]
-    rows = _formulas(student, [call for call, _, _ in cases] + bad)
-    for (_, what, want), got in zip(cases, rows):
-        assert "raised" not in got, f"{what}: model_state_bytes raised {got.get('raised')}: {got.get('message')}"
-        _expect(got, want, what)
-    for (args, kwargs), got in zip(bad, rows[len(cases):]):
+    """derived: ZeRO-Offload's split between device and host, kind by kind, at every stage (mixed precision)"""
+    cases = _offload_cases(True)
+    for (what, args, _), got in zip(cases, _rows(student, cases)):
+        _expect(got, zero_bytes(*args, mixed=True, offload=True), what)
+
+
+@pytest.mark.points(2)
+def test_offload_in_fp32(student):
+    """derived: offload in fp32, where no master copy exists for the host to update"""
+    cases = _offload_cases(False)
+    for (what, args, _), got in zip(cases, _rows(student, cases)):
+        _expect(got, zero_bytes(*args, mixed=False, offload=True), what)
+
+
+@pytest.mark.points(1)
+def test_settings_that_do_not_exist_are_refused(student):
+    """a ValueError for a stage other than 0-3, and for offload at stage 0"""
+    bad = [((1000, 4, 0), {"offload": True}), ((1000, 4, 0), {"offload": True, "mixed_precision": False}),
+           ((1000, 4, 4), {"offload": False}), ((1000, 4, -1), {"offload": False}), ((1000, 4, 4), {"offload": True})]
+    for (args, kwargs), got in zip(bad, _formulas(student, bad)):
         assert got.get("raised") == "ValueError", (
             f"model_state_bytes{args} with {kwargs}: expected a ValueError naming the setting, got {got!r}")
 

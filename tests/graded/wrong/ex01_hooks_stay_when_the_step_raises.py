@@ -4,7 +4,7 @@ peak_model_states before the hooks are removed, and they stay on the parameters 
 taking censuses in every later backward and step (from an independent review).
 
 Caught by: test_nothing_left_behind_when_the_step_raises."""
-from zerolab.memory import PRECISIONS
+PRECISIONS = {True: {"param": 2, "grad": 2, "k": 12}, False: {"param": 4, "grad": 4, "k": 8}}  # bytes/element
 
 
 def _new_bytes(tensors, seen):

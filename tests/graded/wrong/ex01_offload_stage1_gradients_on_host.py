@@ -4,7 +4,7 @@ its full gradient stays on the device.
 
 Caught by: test_offload_moves_the_owned_states_to_the_host.
 """
-from zerolab.memory import PRECISIONS
+PRECISIONS = {True: {"param": 2, "grad": 2, "k": 12}, False: {"param": 4, "grad": 4, "k": 8}}  # bytes/element
 
 
 def _new_bytes(tensors, seen):

@@ -4,7 +4,7 @@ the training loop made just before it and the optimizer releases in it (fp32 mas
 
 Caught by: test_peak_with_fp32_masters.
 """
-from zerolab.memory import PRECISIONS
+PRECISIONS = {True: {"param": 2, "grad": 2, "k": 12}, False: {"param": 4, "grad": 4, "k": 8}}  # bytes/element
 
 
 def _new_bytes(tensors, seen):

@@ -4,7 +4,7 @@ to the parameters or the gradients (the contract's order is params, grads, optim
 
 Caught by: test_storage_shared_by_two_kinds.
 """
-from zerolab.memory import PRECISIONS
+PRECISIONS = {True: {"param": 2, "grad": 2, "k": 12}, False: {"param": 4, "grad": 4, "k": 8}}  # bytes/element
 
 
 def _new_bytes(tensors, seen):

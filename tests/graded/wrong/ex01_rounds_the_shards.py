@@ -4,7 +4,7 @@ exact Ψ/N.
 
 Caught by: test_each_stage_shards_one_more_kind.
 """
-from zerolab.memory import PRECISIONS
+PRECISIONS = {True: {"param": 2, "grad": 2, "k": 12}, False: {"param": 4, "grad": 4, "k": 8}}  # bytes/element
 
 
 def _new_bytes(tensors, seen):

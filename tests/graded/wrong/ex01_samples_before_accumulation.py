@@ -5,7 +5,7 @@ step hooks see it later.
 
 Caught by: test_peak_of_a_skipped_step.
 """
-from zerolab.memory import PRECISIONS
+PRECISIONS = {True: {"param": 2, "grad": 2, "k": 12}, False: {"param": 4, "grad": 4, "k": 8}}  # bytes/element
 
 
 def _new_bytes(tensors, seen):
