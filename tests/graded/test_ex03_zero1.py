@@ -312,8 +312,9 @@ def test_partition_and_state(student, name):
 @pytest.mark.points(3)
 def test_balance_within_four_thirds_of_the_best(student):
     """balance: on 2, 3 and 4 ranks (subgroups), the most loaded rank owns at most 4/3 of what the best
-    whole-parameter partition's does, on TinyGPT, ToyMLP and awkward sizes and orders"""
-    cases = [("gpt", 2), ("gpt", 3), ("gpt", 4), ("mlp", 3), ("spare", 2)] + AWKWARD
+    whole-parameter partition's does, on TinyGPT, ToyMLP and awkward sizes and orders (and a rank
+    that owns nothing)"""
+    cases = [("gpt", 2), ("gpt", 3), ("gpt", 4), ("mlp", 3), ("spare", 2), ([12, 40], 3)] + AWKWARD
     got = student.on_ranks(4, _probe_partitions, cases, False)
     for i, (name, n) in enumerate(cases):
         label = f"sizes {name}" if isinstance(name, list) else name
