@@ -84,6 +84,12 @@ def _trainable(model):
     return [p for p in dict.fromkeys(model.parameters()) if p.requires_grad]
 
 
+def _passed(model):
+    """Every parameter as the model registers it: TinyGPT's tied weight comes twice (as ``embed`` and
+    as ``head``), which the contract says counts once."""
+    return [p for _, p in model.named_parameters(remove_duplicate=False)]
+
+
 def _names(model):
     return {id(p): k for k, p in model.named_parameters()}
 
@@ -164,7 +170,7 @@ def _probe_state(name):
     x, y = _batch(name, model, 0, rank)
     hold = []                                  # keeps the census's storages alive: no address reuse
     before = live_storages(hold)               # the model and the batch
-    opt = ex.ParamZero1(model.parameters(), torch.optim.AdamW, lr=LR)
+    opt = ex.ParamZero1(_passed(model), torch.optim.AdamW, lr=LR)
     partition = [[names[id(p)] for p in ps] for ps in opt.partition]
     local = [] if opt.local is None else [names.get(id(p), "?") for g in opt.local.param_groups for p in g["params"]]
     model(x, y).backward()
@@ -194,7 +200,7 @@ def _probe_partitions(cases, step):
             continue
         model = _model(name)
         names = _names(model)
-        opt = ex.ParamZero1(model.parameters(), torch.optim.AdamW, lr=LR, group=groups[n])
+        opt = ex.ParamZero1(_passed(model), torch.optim.AdamW, lr=LR, group=groups[n])
         got = {"partition": [[names[id(p)] for p in ps] for ps in opt.partition]}
         if step:
             sum((p * p).sum() for p in _trainable(model)).backward()

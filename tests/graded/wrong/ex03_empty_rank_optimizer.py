@@ -3,7 +3,7 @@ owns none. Right as long as every rank owns something; but with more ranks than 
 (or one parameter outweighing the rest) a rank owns nothing and torch's optimizers refuse an empty
 parameter list: the constructor raises on that rank.
 
-Caught by: test_balance_within_four_thirds_of_the_best, test_largest_share_is_your_partitions."""
+Caught by: test_balance_within_four_thirds_of_the_best."""
 import heapq
 
 import torch

@@ -2,9 +2,10 @@
 ranks, the partition and every collective are the world's. On a subgroup of 3 of 4 ranks the
 partition is cut 4 ways and the reduces and broadcasts involve a rank that is busy with its own
 training (here: rank 0 alone in its group, which calls the same world collectives and mixes its
-gradients in).
+gradients in). The partition probes, on groups of 2 and 3 of 4 ranks, see it first: a partition
+cut 4 ways.
 
-Caught by: test_on_a_subgroup."""
+Caught by: test_balance_within_four_thirds_of_the_best."""
 import heapq
 
 import torch

@@ -1,6 +1,7 @@
 """Wrong answer to exercise 03: the trainable parameters are taken as the model lists them, without
 merging a parameter that appears twice (TinyGPT's tied embedding and output weight): it is
 partitioned twice, so two ranks own it (or one owns it twice), each reduces and broadcasts it.
+(model.parameters() merges it already; a list of every registered parameter does not.)
 
 Caught by: test_partition_and_state."""
 import heapq
