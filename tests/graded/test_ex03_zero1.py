@@ -31,8 +31,9 @@ SUBGROUP = [1, 2, 3]       # on 4 ranks: these share one optimizer; rank 0 train
 GROUPS = {2: [2, 3], 3: [1, 2, 3], 4: [0, 1, 2, 3]}
 # Sizes (elements per parameter, in the model's order) on which rules without a balance guarantee
 # fail the 4/3 bound, each with the world size it is graded on: many small parameters before a large
-# one (in-order greedy, round-robin, sorted round-robin); the classic tight case of largest-first
-# (it passes there, at 11/9); sizes that make "fill each rank up to Ψ/N, in order" overshoot either way.
+# one (in-order greedy, round-robin, sorted round-robin); a case where no simple rule reaches OPT
+# (a good one lands between OPT and 4/3 OPT); sizes that make "fill each rank up to Ψ/N, in order"
+# overshoot either way.
 AWKWARD = [([10] * 6 + [30], 3), ([10, 10, 20], 2), ([8] * 12 + [32], 4),
            ([20, 20, 16, 16, 12, 12, 12], 3), ([3] * 6 + [9, 1, 1, 1], 3)]
 # 03.2 by hand-sized cases, measured on ranks: ties, one parameter outweighing the rest, a rank (or
