@@ -1,13 +1,15 @@
-"""Exercise 03 — ZeRO-1 by whole parameters, as torch's ZeroRedundancyOptimizer does it.
+"""Exercise 03 — ZeRO-1 by whole parameters, as torch's ZeroRedundancyOptimizer shards it.
 
 Lesson 03 builds ZeRO-1 on ONE flat buffer cut into N equal slices (``zerolab.zero1``): exact
 balance, one reduce-scatter and one all-gather per step. torch's ``ZeroRedundancyOptimizer`` never
 cuts a tensor: each parameter belongs, whole, to one rank. Here you build that design for a plain
-training loop (no DDP underneath): who owns what, how each gradient reaches its owner and each
-updated parameter comes back. The contract is in the docstrings.
+training loop (no DDP underneath): who owns what (a partition you design, with a balance you can
+guarantee), how each gradient reaches its owner and each updated parameter comes back. The contract
+is in the docstrings.
 
-03.1 ``ParamZero1``: the optimizer.
-03.2 ``largest_share``: a number to derive; then compare it with what torch's optimizer holds.
+03.1 ``ParamZero1``: the optimizer, and its partition.
+03.2 ``largest_share``: what your partition costs the most loaded rank; then, for TinyGPT, how that
+     behaves as N grows, and why.
 
 Grade your work:  ``make grade`` or, in lesson 03, ``zerolab.grade.check("03")``.
 """
@@ -21,13 +23,20 @@ class ParamZero1:
 
     Contract (graded):
 
-    * ``self.partition[r]``: the trainable parameters rank r owns, whole. Assign them the way
-      torch's ZeroRedundancyOptimizer does: largest first (ties: in the order given), each to the
-      rank that owns the fewest elements so far (ties: the lowest rank). Frozen parameters are not
-      trained: nobody owns them. A parameter passed twice (tied weights) counts once;
-    * ``self.local``: ``optimizer_class(..., **defaults)`` over this rank's own parameters only. After
-      ``step(); zero_grad()``, what this rank holds besides the model's parameters is that
-      optimizer's state, for the parameters it owns (measured: a census of the live tensors);
+    * ``self.partition[r]`` (r = 0 .. N-1, N the group's size): the parameters rank r owns, whole.
+      Every trainable parameter is owned by exactly one rank, once (a parameter passed twice, as tied
+      weights are, is one parameter); a frozen one (``requires_grad=False``) by none. Every rank
+      holds the same partition. A rank may own nothing (more ranks than trainable parameters).
+    * Balance: let OPT be the smallest number of elements that the most loaded rank can be held to
+      by ANY assignment of whole parameters to the N ranks. Your most loaded rank owns at most
+      4/3 * OPT elements. Graded on TinyGPT, ToyMLP, and models whose sizes, and the order in which
+      they come, are chosen to be awkward, on 2, 3 and 4 ranks; the test finds OPT exactly, by
+      search. The rule that meets this is yours to design (and to justify: it must hold for every
+      model, not just the graded ones).
+    * ``self.local``: ``optimizer_class(..., **defaults)`` over this rank's own parameters only
+      (``None`` on a rank that owns nothing). After ``step(); zero_grad()``, what this rank holds
+      besides the model's parameters is that optimizer's state, for the parameters it owns
+      (measured: a census of the live tensors);
     * ``step()``: the owner of a parameter gets its gradient averaged over the ranks, delivered by
       ``torch.distributed.reduce`` to the owner (you may pack an owner's parameters in one buffer);
       the owner updates it; every rank then gets the new values by ``torch.distributed.broadcast``
@@ -51,8 +60,13 @@ class ParamZero1:
 
 
 def largest_share(numels, world_size):
-    """Under 03.1's partition of parameters of ``numels`` elements over ``world_size`` ranks, the
-    fraction of the optimizer state held by the most loaded rank (flat ZeRO-1: about 1/N).
-    Derive it; then, for TinyGPT, watch it stop falling as N grows, and say why."""
+    """The fraction of the optimizer state that the most loaded rank holds when YOUR ``ParamZero1``
+    partitions trainable, distinct parameters of ``numels`` elements (in that order) over
+    ``world_size`` ranks (flat ZeRO-1: about 1/N). A pure function: no process group.
+
+    Graded: equal (to 1e-12) to the share measured on ranks, where ``ParamZero1`` runs a step on
+    parameters of exactly these sizes and the test counts each rank's optimizer state elements; for
+    world sizes too large to run, within 03.1's balance guarantee. Then, in the lesson: TinyGPT, N =
+    1 to 16, next to 1/N. Where does it stop falling, and why? What would it take to go lower?"""
     raise NotImplementedError(
-        "Exercise 03.2: the largest rank's elements over all elements, under the greedy partition.")
+        "Exercise 03.2: the most loaded rank's share of the state, under your own partition.")
