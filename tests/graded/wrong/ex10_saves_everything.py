@@ -52,11 +52,12 @@ def crossover_seq_len(d_model, n_heads, batch_size):
     """Measured, not computed from lesson 10's float32 accounting: in mixed precision the block saves
     another set. What a measurement under ``torch.autocast("cpu", dtype=torch.bfloat16)`` shows, record
     by record: the residual stream stays float32, so both LayerNorms save a float32 input (and float32
-    mean and 1/std); every Linear saves a bfloat16 COPY of its input and a bfloat16 copy of its
-    weight (autocast's cast: not a parameter, so it counts, and it does not grow with s or b); q, k, v,
-    the probabilities, the GeLU's input and output are bfloat16. So the probabilities are c2·s² and the
-    rest c1·s + c0 with a constant c0 > 0: the crossover depends on the batch size, and no formula
-    through the origin finds it. Fitted exactly from three lengths (integers: bytes), then confirmed
+    mean and 1/std); every Linear saves its input in bfloat16 (autocast's cast copy where that input
+    is a float32 LayerNorm output) and a bfloat16 copy of its weight (autocast's cast: not a
+    parameter, so it counts, and it grows with neither s nor b); q, k, v, the probabilities, the
+    GeLU's input and output are bfloat16. So the probabilities are c2·s² and the rest c1·s + c0 with
+    a constant c0 > 0: the crossover depends on the batch size, and no formula through the origin
+    finds it. Fitted exactly from three lengths (integers: bytes), then confirmed
     by measuring at the answer and one token before it."""
     def split(s):
         model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
