@@ -4,7 +4,7 @@
      is below; how you meet it (a custom ``torch.autograd.Function``, saved-tensor hooks, ...) is
      yours to design. ``torch.utils.checkpoint`` and ``zerolab.activations``' own checkpointing are
      off limits.
-10.2 ``crossover_seq_len``: a number you measure.
+10.2 ``crossover_seq_len``: a number you measure, for a block in mixed precision.
 
 Try it on a block of your own::
 
@@ -47,13 +47,20 @@ def checkpointed(block, x):
     raise NotImplementedError("Exercise 10.1: checkpointed is not written yet")
 
 
-def crossover_seq_len(d_model, n_heads):
-    """The smallest sequence length s at which one TinyGPT block with naive attention,
-    ``zerolab.models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, attention="naive")``
-    in float32, saves MORE bytes for its (B, heads, s, s) attention probabilities than for everything
-    else it saves together (any batch size B: both grow with B).
+def crossover_seq_len(d_model, n_heads, batch_size):
+    """The smallest sequence length s at which one TinyGPT block with naive attention, trained in
+    mixed precision, saves MORE bytes for its (batch_size, n_heads, s, s) attention probabilities
+    than for everything else it saves together.
 
-    Measure it, then explain the number from what the block saves. Graded EXACTLY (no tolerance:
-    one token off is wrong) against the grader's own measurement, for several shapes, some that no
-    lesson figure shows."""
+    The block: ``blocks[0]`` of ``model = zerolab.models.build("gpt", d_model=d_model,
+    n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")`` (float32 parameters), in the forward
+    ``model(*zerolab.models.batch("gpt", model=model, batch_size=batch_size))`` run under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)``. What counts is what ``SavedTensors`` counts:
+    every tensor autograd saves while ``blocks.0`` or one of its modules runs, each storage once (for
+    the first module that saves it), parameters left out.
+
+    Lesson 10 accounts, byte by byte, for this block in float32; the question here is about the block
+    in mixed precision. Measure it, then explain your number. Returns an int. Graded EXACTLY (no
+    tolerance: one token off is wrong) against the grader's own measurement, for several
+    (d_model, n_heads, batch_size), none of them a lesson figure."""
     raise NotImplementedError("Exercise 10.2: crossover_seq_len is not written yet")

@@ -1,12 +1,12 @@
 """Graded: exercise 10, activation checkpointing of one block by hand, and the crossover sequence
-length. The submission runs only inside probes (its own processes); every verdict is decided here,
-on plain data, against references computed here: the plain block in float64 (same inputs, same
-generator state), the same ZeRO-3 engine without a checkpoint on trusted ranks, and the grader's
-own measurement of what a block saves. Observed, not read from the code: what autograd saves during
-the forward (saved-tensor hooks), what stays allocated (torch's profiler), how often the block's
-layers run in forward and in backward (forward hooks), whether each gradient lands IN the .grad
-already there (a view into a flat buffer, as engines keep them) before the parameter's
-post-accumulate-grad hook runs."""
+length of a block in mixed precision. The submission runs only inside probes (its own processes);
+every verdict is decided here, on plain data, against references computed here: the plain block in
+float64 (same inputs, same generator state), the same ZeRO-3 engine without a checkpoint on trusted
+ranks, and the grader's own measurement of what a block saves under bfloat16 autocast. Observed, not
+read from the code: what autograd saves during the forward (saved-tensor hooks), what stays
+allocated (torch's profiler), how often the block's layers run in forward and in backward (forward
+hooks), whether each gradient lands IN the .grad already there (a view into a flat buffer, as
+engines keep them) before the parameter's post-accumulate-grad hook runs."""
 import pytest
 import torch
 import torch.nn as nn
@@ -305,33 +305,49 @@ def test_works_as_a_zero3_unit(student, clusters):
                                             f"checkpoint, {plain_gathered} without")
 
 
-def _measured_crossover(d_model, n_heads):
-    """The grader's own measurement: saved bytes of block 0 at three lengths, fitted exactly."""
-    def saved(s):
-        model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
-        with SavedTensors(model) as log:
-            model(*models.batch("gpt", model=model, batch_size=2))
-        return sum(b for name, b in log.by_module().items() if name.startswith("blocks.0")) // 2
-
-    f = {s: saved(s) for s in (4, 8, 12)}
-    quad = (f[12] * 4 - f[4] * 12) // (4 * 12 * 8)          # f(s) = quad·s² + lin·s, integers (bytes)
-    lin = f[4] // 4 - quad * 4
-    assert f[8] == quad * 64 + lin * 8, "the grader's measurement is not quadratic through 0"
-    return lin // quad + 1                                   # the smallest s with quad·s > lin
+def _saved_split(d_model, n_heads, batch_size, s):
+    """The grader's own measurement (trusted: the submission is never imported here): what block 0
+    saves in a forward of the model under bfloat16 autocast, as SavedTensors counts it (each storage
+    once, first saver, parameters left out), split into the (B, heads, s, s) probabilities and the rest."""
+    model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
+    x, y = models.batch("gpt", model=model, batch_size=batch_size)
+    with SavedTensors(model) as log, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x, y)
+    block = [r for r in log.records if r.first and (r.module == "blocks.0" or r.module.startswith("blocks.0."))]
+    probs = sum(r.storage_bytes for r in block if r.shape == (batch_size, n_heads, s, s))
+    return probs, sum(r.storage_bytes for r in block) - probs
 
 
-# d_model, n_heads: the linear term over the quadratic one is an integer for some (the first
-# length past it is the answer, not the length itself) and not for others; the LayerNorms'
-# statistics move the answer for some (a formula that leaves them out is a token short).
-CROSSOVER_SHAPES = [(64, 4), (64, 2), (48, 3), (96, 8), (128, 16), (40, 5)]
+def _measured_crossover(d_model, n_heads, batch_size):
+    """The first length at which the probabilities outweigh the rest: located from measurements at
+    four lengths (probabilities c2·s², the rest c1·s + c0: integers, bytes), then measured on both
+    sides of it, which decides."""
+    m = {s: _saved_split(d_model, n_heads, batch_size, s) for s in (4, 12, 20, 28)}
+    c2 = m[4][0] // 16
+    c1 = (m[20][1] - m[4][1]) // 16
+    c0 = m[4][1] - 4 * c1
+    assert all(m[s] == (c2 * s * s, c1 * s + c0) for s in m), f"the grader's measurement is not c2·s², c1·s + c0: {m}"
+    s = 1
+    while c2 * s * s <= c1 * s + c0:
+        s += 1
+    before, at = _saved_split(d_model, n_heads, batch_size, s - 1), _saved_split(d_model, n_heads, batch_size, s)
+    assert before[0] <= before[1] and at[0] > at[1], f"measured at {s - 1}: {before}, at {s}: {at}"
+    return s
+
+
+# (d_model, n_heads, batch_size): none is a lesson figure; batch sizes 1 to 8 (the crossover moves with
+# the batch); (80, 16, 1) and (40, 8, 5) meet EXACTLY at one length (there they are equal, not more).
+CROSSOVER_SHAPES = [(64, 4, 1), (64, 4, 4), (48, 3, 2), (96, 8, 1), (40, 5, 3), (80, 16, 1), (40, 8, 5), (32, 4, 8)]
 
 
 @pytest.mark.points(2)
 def test_crossover_seq_len(student):
-    """measured, exactly: the first sequence length at which the attention probabilities outweigh the rest"""
+    """measured, exactly: the first sequence length at which a mixed-precision block's attention
+    probabilities outweigh everything else it saves"""
     ex = student.module("ex10_activations")
-    for d_model, n_heads in CROSSOVER_SHAPES:
-        got, want = ex.crossover_seq_len(d_model, n_heads), _measured_crossover(d_model, n_heads)
+    for d_model, n_heads, batch_size in CROSSOVER_SHAPES:
+        got = ex.crossover_seq_len(d_model, n_heads, batch_size)
+        want = _measured_crossover(d_model, n_heads, batch_size)
         assert isinstance(got, (int, float)) and not isinstance(got, bool) and got == want, (
-            f"crossover_seq_len({d_model}, {n_heads}) = {got!r}; measured: {want} (graded exactly: at {want - 1} "
-            f"the probabilities are not yet more than the rest, at {want} they are)")
+            f"crossover_seq_len({d_model}, {n_heads}, {batch_size}) = {got!r}; measured: {want} (graded exactly: "
+            f"at {want - 1} the probabilities are not yet more than the rest, at {want} they are)")

@@ -1,7 +1,8 @@
 """A plausible wrong answer to exercise 10 (the graded tests must reject it).
 
-Measured correctly, but returns the length at which the probabilities EQUAL the rest (or the first
-past it when that is not an integer): one token early whenever the two meet at an integer.
+A correct checkpoint and a correct measurement, but the crossover taken where the probabilities
+reach the rest (>=) instead of where they are MORE (>): the same answer wherever the two never meet
+exactly, a token early where they do.
 
 Caught by: test_crossover_seq_len.
 """
@@ -12,7 +13,13 @@ from zerolab.activations import SavedTensors
 
 
 class _Checkpoint(torch.autograd.Function):
-    """Full recomputation of one block: only the input is kept."""
+    """Forward without a graph, keeping only the input (and the generator's state); backward replays
+    the block with a graph, from the same random state, and backpropagates through it.
+
+    The block's parameters are inputs of the Function too (not saved: only referenced), so that the
+    output requires grad whenever a parameter does, even when ``x`` does not (the first block of a
+    model whose embeddings are frozen: torch.utils.checkpoint's reentrant variant returns an output
+    that requires no grad there, and the parameters silently get nothing)."""
 
     @staticmethod
     def forward(ctx, block, x, *params):
@@ -39,8 +46,9 @@ class _Checkpoint(torch.autograd.Function):
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True)) if inputs else []
         gx = grads.pop(0) if x.requires_grad else None
         by_param = dict(zip(map(id, wanted), grads))
-        # Returned, not written: autograd adds them to each parameter's .grad (AccumulateGrad),
-        # exactly as a plain backward would, hooks included (ZeRO-3's reduce-scatter hooks).
+        # Returned, not written: autograd adds them INTO each parameter's .grad (AccumulateGrad, in
+        # place: a .grad that is a view into an engine's bucket stays one), then runs its
+        # post-accumulate-grad hooks (where ZeRO's engines reduce it), exactly as a plain backward.
         return (None, gx, *(by_param.get(id(p)) for p in params))
 
 
@@ -49,22 +57,23 @@ def checkpointed(block, x):
     return _Checkpoint.apply(block, x, *block.parameters())
 
 
-def crossover_seq_len(d_model, n_heads):
-    """Measured: the block's saved bytes at two sequence lengths give f(s) = c2·s² + c1·s (per
-    sequence; nothing is independent of s). The (B, heads, s, s) softmax output is the c2 term; it
-    exceeds the rest once c2·s > c1: the smallest such integer s. Explained: 16 values per token and
-    hidden unit (the paper's 34 bytes less its two dropout masks, over 2 bytes per value) plus the
-    two LayerNorms' mean and 1/std per token, against a·s probabilities per token."""
-    def saved(s):
+def crossover_seq_len(d_model, n_heads, batch_size):
+    """Measured: probabilities c2·s², the rest c1·s + c0, fitted from three lengths; the first s
+    where the probabilities have caught up with the rest."""
+    def split(s):
         model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
-        x, y = models.batch("gpt", model=model, batch_size=1)
-        with SavedTensors(model) as log:
+        x, y = models.batch("gpt", model=model, batch_size=batch_size)
+        with SavedTensors(model) as log, torch.autocast("cpu", dtype=torch.bfloat16):
             model(x, y)
-        return sum(b for name, b in log.by_module().items() if name.startswith("blocks.0"))
+        mine = [r for r in log.records if r.first and (r.module == "blocks.0" or r.module.startswith("blocks.0."))]
+        probs = sum(r.storage_bytes for r in mine if r.shape == (batch_size, n_heads, s, s))
+        return probs, sum(r.storage_bytes for r in mine) - probs
 
-    s1, s2 = 8, 16
-    f1, f2 = saved(s1), saved(s2)
-    # f = c2·s² + c1·s at two points: two equations, two unknowns (integers: bytes)
-    c2 = (f2 * s1 - f1 * s2) // (s1 * s2 * (s2 - s1))
-    c1 = f1 // s1 - c2 * s1
-    return -(-c1 // c2)                          # ceil(c1 / c2)
+    (p1, r1), (p2, r2), (p3, r3) = split(8), split(16), split(24)
+    c2 = p1 // 64                                # probabilities: c2·s²
+    c1 = (r2 - r1) // 8                          # the rest: c1·s + c0
+    c0 = r1 - 8 * c1
+    s = 1
+    while c2 * s * s < c1 * s + c0:
+        s += 1
+    return s

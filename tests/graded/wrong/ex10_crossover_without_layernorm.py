@@ -1,8 +1,9 @@
 """A plausible wrong answer to exercise 10 (the graded tests must reject it).
 
-The crossover in closed form from the block's big tensors, 16·s·h values against a·s² probabilities,
-leaving out the LayerNorms' per-token statistics as small (the paper does): a token short on some
-shapes.
+A correct checkpoint; the crossover from a closed form of the mixed-precision block (worked out
+right: float32 LayerNorm inputs, bfloat16 copies of every Linear's input and weight, bfloat16 q, k, v,
+probabilities and GeLU tensors) that leaves out the LayerNorms' per-token mean and 1/std as small,
+as the paper does: a token or two late on most shapes.
 
 Caught by: test_crossover_seq_len.
 """
@@ -13,7 +14,13 @@ from zerolab.activations import SavedTensors
 
 
 class _Checkpoint(torch.autograd.Function):
-    """Full recomputation of one block: only the input is kept."""
+    """Forward without a graph, keeping only the input (and the generator's state); backward replays
+    the block with a graph, from the same random state, and backpropagates through it.
+
+    The block's parameters are inputs of the Function too (not saved: only referenced), so that the
+    output requires grad whenever a parameter does, even when ``x`` does not (the first block of a
+    model whose embeddings are frozen: torch.utils.checkpoint's reentrant variant returns an output
+    that requires no grad there, and the parameters silently get nothing)."""
 
     @staticmethod
     def forward(ctx, block, x, *params):
@@ -40,8 +47,9 @@ class _Checkpoint(torch.autograd.Function):
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True)) if inputs else []
         gx = grads.pop(0) if x.requires_grad else None
         by_param = dict(zip(map(id, wanted), grads))
-        # Returned, not written: autograd adds them to each parameter's .grad (AccumulateGrad),
-        # exactly as a plain backward would, hooks included (ZeRO-3's reduce-scatter hooks).
+        # Returned, not written: autograd adds them INTO each parameter's .grad (AccumulateGrad, in
+        # place: a .grad that is a view into an engine's bucket stays one), then runs its
+        # post-accumulate-grad hooks (where ZeRO's engines reduce it), exactly as a plain backward.
         return (None, gx, *(by_param.get(id(p)) for p in params))
 
 
@@ -50,23 +58,13 @@ def checkpointed(block, x):
     return _Checkpoint.apply(block, x, *block.parameters())
 
 
-def crossover_seq_len(d_model, n_heads):
-    """Measured: the block's saved bytes at two sequence lengths give f(s) = c2·s² + c1·s (per
-    sequence; nothing is independent of s). The (B, heads, s, s) softmax output is the c2 term; it
-    exceeds the rest once c2·s > c1: the smallest such integer s. Explained: 16 values per token and
-    hidden unit (the paper's 34 bytes less its two dropout masks, over 2 bytes per value) plus the
-    two LayerNorms' mean and 1/std per token, against a·s probabilities per token."""
-    def saved(s):
-        model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
-        x, y = models.batch("gpt", model=model, batch_size=1)
-        with SavedTensors(model) as log:
-            model(x, y)
-        return sum(b for name, b in log.by_module().items() if name.startswith("blocks.0"))
-
-    return 16 * d_model // n_heads + 1             # 16 values per token and hidden unit vs a·s
-    s1, s2 = 8, 16
-    f1, f2 = saved(s1), saved(s2)
-    # f = c2·s² + c1·s at two points: two equations, two unknowns (integers: bytes)
-    c2 = (f2 * s1 - f1 * s2) // (s1 * s2 * (s2 - s1))
-    c1 = f1 // s1 - c2 * s1
-    return c1 // c2 + 1                          # smallest s with c2·s > c1
+def crossover_seq_len(d_model, n_heads, batch_size):
+    """From what the block saves under bfloat16 autocast, per token and hidden unit: 4 + 4 bytes of
+    LayerNorm inputs, 2 + 2 + 2 of the qkv, proj and fc inputs, 6 of q, k, v, 8 + 8 of the GeLU's
+    input and output (36 bytes); 24·h² bytes of bfloat16 weight copies; 2·a·s bytes of probabilities
+    per token."""
+    h, a, b = d_model, n_heads, batch_size
+    s = 1
+    while 2 * a * b * s * s <= 36 * h * b * s + 24 * h * h:
+        s += 1
+    return s

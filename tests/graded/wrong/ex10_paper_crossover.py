@@ -1,7 +1,7 @@
 """A plausible wrong answer to exercise 10 (the graded tests must reject it).
 
 A correct checkpoint, but the crossover taken from the paper's formula (16-bit values with dropout
-masks: 34 against 5·a·s/h) instead of measured on this float32 block without dropout.
+masks: 34 against 5·a·s/h; mixed precision "is" 16-bit) instead of measured on this block.
 
 Caught by: test_crossover_seq_len.
 """
@@ -12,7 +12,13 @@ from zerolab.activations import SavedTensors
 
 
 class _Checkpoint(torch.autograd.Function):
-    """Full recomputation of one block: only the input is kept."""
+    """Forward without a graph, keeping only the input (and the generator's state); backward replays
+    the block with a graph, from the same random state, and backpropagates through it.
+
+    The block's parameters are inputs of the Function too (not saved: only referenced), so that the
+    output requires grad whenever a parameter does, even when ``x`` does not (the first block of a
+    model whose embeddings are frozen: torch.utils.checkpoint's reentrant variant returns an output
+    that requires no grad there, and the parameters silently get nothing)."""
 
     @staticmethod
     def forward(ctx, block, x, *params):
@@ -39,8 +45,9 @@ class _Checkpoint(torch.autograd.Function):
         grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True)) if inputs else []
         gx = grads.pop(0) if x.requires_grad else None
         by_param = dict(zip(map(id, wanted), grads))
-        # Returned, not written: autograd adds them to each parameter's .grad (AccumulateGrad),
-        # exactly as a plain backward would, hooks included (ZeRO-3's reduce-scatter hooks).
+        # Returned, not written: autograd adds them INTO each parameter's .grad (AccumulateGrad, in
+        # place: a .grad that is a view into an engine's bucket stays one), then runs its
+        # post-accumulate-grad hooks (where ZeRO's engines reduce it), exactly as a plain backward.
         return (None, gx, *(by_param.get(id(p)) for p in params))
 
 
@@ -49,23 +56,6 @@ def checkpointed(block, x):
     return _Checkpoint.apply(block, x, *block.parameters())
 
 
-def crossover_seq_len(d_model, n_heads):
-    """Measured: the block's saved bytes at two sequence lengths give f(s) = c2·s² + c1·s (per
-    sequence; nothing is independent of s). The (B, heads, s, s) softmax output is the c2 term; it
-    exceeds the rest once c2·s > c1: the smallest such integer s. Explained: 16 values per token and
-    hidden unit (the paper's 34 bytes less its two dropout masks, over 2 bytes per value) plus the
-    two LayerNorms' mean and 1/std per token, against a·s probabilities per token."""
-    def saved(s):
-        model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
-        x, y = models.batch("gpt", model=model, batch_size=1)
-        with SavedTensors(model) as log:
-            model(x, y)
-        return sum(b for name, b in log.by_module().items() if name.startswith("blocks.0"))
-
-    return int(34 * d_model / (5 * n_heads)) + 1   # Korthikanti et al.: 5·a·s/h > 34
-    s1, s2 = 8, 16
-    f1, f2 = saved(s1), saved(s2)
-    # f = c2·s² + c1·s at two points: two equations, two unknowns (integers: bytes)
-    c2 = (f2 * s1 - f1 * s2) // (s1 * s2 * (s2 - s1))
-    c1 = f1 // s1 - c2 * s1
-    return c1 // c2 + 1                          # smallest s with c2·s > c1
+def crossover_seq_len(d_model, n_heads, batch_size):
+    """Korthikanti et al. Eq. (1), 16-bit: s·b·h·(34 + 5·a·s/h); the attention term wins once 5·a·s/h > 34."""
+    return int(34 * d_model / (5 * n_heads)) + 1

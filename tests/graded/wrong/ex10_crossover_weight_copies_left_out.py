@@ -1,0 +1,82 @@
+"""A plausible wrong answer to exercise 10 (the graded tests must reject it).
+
+A correct checkpoint; measured under autocast, but the bfloat16 copies of the weights that each
+Linear saves are left out as model states ("SavedTensors leaves parameters out; these are the
+parameters"). They are not parameters: autograd keeps those copies alive until backward, and they are
+the part of the saved set that grows with neither s nor b.
+
+Caught by: test_crossover_seq_len.
+"""
+import torch
+
+from zerolab import models
+from zerolab.activations import SavedTensors
+
+
+class _Checkpoint(torch.autograd.Function):
+    """Forward without a graph, keeping only the input (and the generator's state); backward replays
+    the block with a graph, from the same random state, and backpropagates through it.
+
+    The block's parameters are inputs of the Function too (not saved: only referenced), so that the
+    output requires grad whenever a parameter does, even when ``x`` does not (the first block of a
+    model whose embeddings are frozen: torch.utils.checkpoint's reentrant variant returns an output
+    that requires no grad there, and the parameters silently get nothing)."""
+
+    @staticmethod
+    def forward(ctx, block, x, *params):
+        ctx.block = block
+        ctx.rng = torch.get_rng_state()          # the draws forward makes (dropout), replayed later
+        ctx.save_for_backward(x)                 # the only activation kept: e·s·b·h bytes
+        with torch.no_grad():                    # (autograd runs Function.forward without a graph anyway)
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_(ctx.needs_input_grad[1])   # the recomputation's own leaf
+        params = list(ctx.block.parameters())
+        wanted = [p for p, need in zip(params, ctx.needs_input_grad[2:]) if need]
+        # Replay the forward's random numbers, then give the caller's generator back untouched:
+        # its stream continues as if no recomputation had happened (torch.utils.checkpoint's
+        # preserve_rng_state; on a GPU the device generators would be stashed the same way).
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                out = ctx.block(x)               # the recomputation: one more forward of the block
+        inputs = ([x] if x.requires_grad else []) + wanted
+        grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True)) if inputs else []
+        gx = grads.pop(0) if x.requires_grad else None
+        by_param = dict(zip(map(id, wanted), grads))
+        # Returned, not written: autograd adds them INTO each parameter's .grad (AccumulateGrad, in
+        # place: a .grad that is a view into an engine's bucket stays one), then runs its
+        # post-accumulate-grad hooks (where ZeRO's engines reduce it), exactly as a plain backward.
+        return (None, gx, *(by_param.get(id(p)) for p in params))
+
+
+def checkpointed(block, x):
+    """``block(x)``, keeping only ``x`` for backward (see the exercise for the contract)."""
+    return _Checkpoint.apply(block, x, *block.parameters())
+
+
+def crossover_seq_len(d_model, n_heads, batch_size):
+    """Measured under autocast, the weights' bfloat16 copies not counted (they are the weights)."""
+    def split(s):
+        model = models.build("gpt", d_model=d_model, n_heads=n_heads, seq_len=s, n_layers=1, attention="naive")
+        x, y = models.batch("gpt", model=model, batch_size=batch_size)
+        weights = {tuple(p.shape) for p in model.blocks[0].parameters()}
+        weights |= {shape[::-1] for shape in weights}
+        with SavedTensors(model) as log, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x, y)
+        mine = [r for r in log.records if r.first and (r.module == "blocks.0" or r.module.startswith("blocks.0."))
+                and r.shape not in weights]
+        probs = sum(r.storage_bytes for r in mine if r.shape == (batch_size, n_heads, s, s))
+        return probs, sum(r.storage_bytes for r in mine) - probs
+
+    (p1, r1), (p2, r2), (p3, r3) = split(8), split(16), split(24)
+    c2 = p1 // 64                                # probabilities: c2·s²
+    c1 = (r2 - r1) // 8                          # the rest: c1·s + c0
+    c0 = r1 - 8 * c1
+    s = 1
+    while c2 * s * s <= c1 * s + c0:
+        s += 1
+    return s
