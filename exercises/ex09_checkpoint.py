@@ -9,7 +9,7 @@ the middle of a parameter. A checkpoint that ANY world size can load stores, per
      fit exactly.
 09.2 ``load_shard``: a rank of the NEW world size builds its own shard straight from the pieces,
      without putting whole parameters (let alone the model) together.
-09.3 ``bytes_read``: measure what loading a checkpoint reads, and explain it.
+09.3 ``bytes_read``: measure what a load really reads, and explain it.
 
 Grade your work:  ``make grade`` or, in lesson 09, ``zerolab.grade.check("09")``.
 """
@@ -43,9 +43,15 @@ def load_shard(numels, pieces, world_size, rank):
 
 
 def bytes_read(load):
-    """Call ``load()`` (it loads a checkpoint on this rank) and return how many bytes this process
-    read meanwhile (the kernel counts every byte a process reads: ``/proc/self/io``, ``rchar``).
+    """Call ``load()`` exactly once (it restarts training on this rank: a collective that loads a
+    checkpoint and whatever else the restart needs; it returns nothing you need) and return how many
+    bytes THIS process read from files while it ran: every byte, whichever code read it (Python's
+    file objects, a C or C++ library, another thread of this process), and nothing it read before
+    or after the call.
 
-    Measure it; graded against the grader's own measurement of the same load on 2 ranks. Then
-    compare it with the checkpoint's size and with the share the rank keeps, and explain."""
+    Graded: measured, not computed. On 2 ranks, against the grader's own measurement of the same
+    load in ranks of its own that never run your code, within 1% (and a few kB): a size you work
+    out from the checkpoint's files (the whole of them, a rank's share, what one reader or one
+    thread handles) does not get there. Then compare the number with the checkpoint's size on disk
+    and with the share of it this rank keeps, and explain the difference (lesson 09, Exercises)."""
     raise NotImplementedError("Exercise 09.3: measure the bytes this process reads during load().")
