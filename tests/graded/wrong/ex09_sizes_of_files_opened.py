@@ -1,10 +1,9 @@
 """Wrong answer to exercise 09: assemble and load_shard are right; bytes_read adds up the sizes of
-the files that Python's open() opens during load(): the checkpoint's files are all there, but a
+the files opened through Python's io.open (what pathlib and open() use) during load(): the checkpoint's files are all there, but a
 library that opens and reads a file in C (numpy.fromfile, the data loader's state) is not seen, and a
 size on disk is a formula, not what was read.
 
 Caught by: test_bytes_read_measured."""
-import builtins
 import io
 import os
 
@@ -63,15 +62,15 @@ def load_shard(numels, pieces, world_size, rank):
 
 def bytes_read(load):
     opened = []
-    real = builtins.open
+    real = io.open
 
     def spy(file, mode="r", *args, **kwargs):
         if "r" in mode and isinstance(file, (str, bytes, os.PathLike)):
             opened.append(os.fspath(file))
         return real(file, mode, *args, **kwargs)
-    builtins.open = io.open = spy
+    io.open = spy
     try:
         load()
     finally:
-        builtins.open = io.open = real
+        io.open = real
     return sum(os.path.getsize(f) for f in set(opened) if os.path.isfile(f))
