@@ -42,16 +42,23 @@ def load_shard(numels, pieces, world_size, rank):
         "Exercise 09.2: this rank's shard of the new layout, straight from the pieces that overlap it.")
 
 
-def bytes_read(load):
-    """Call ``load()`` exactly once (it restarts training on this rank: a collective that loads a
-    checkpoint and whatever else the restart needs; it returns nothing you need) and return how many
-    bytes THIS process read from files while it ran: every byte, whichever code read it (Python's
-    file objects, a C or C++ library, another thread of this process), and nothing it read before
-    or after the call.
+def bytes_read(load, checkpoint):
+    """Call ``load()`` exactly once (it restarts training on this rank: a collective that loads the
+    checkpoint in the folder ``checkpoint`` and whatever else the restart needs) and return
+    ``{"read": bytes, "checkpoint": bytes}``:
 
-    Graded: measured, not computed. On 2 ranks, against the grader's own measurement of the same
-    load in ranks of its own that never run your code, within 1% (and a few kB): a size you work
-    out from the checkpoint's files (the whole of them, a rank's share, what one reader or one
-    thread handles) does not get there. Then compare the number with the checkpoint's size on disk
-    and with the share of it this rank keeps, and explain the difference (lesson 09, Exercises)."""
-    raise NotImplementedError("Exercise 09.3: measure the bytes this process reads during load().")
+    * ``"read"``: how many bytes THIS process read from files while ``load()`` ran: every byte,
+      whichever code read it (Python's file objects, a C or C++ library, another thread of this
+      process), and nothing it read before or after the call. Measured, not computed.
+    * ``"checkpoint"``: how many of those bytes came from the checkpoint's files (the folder
+      ``checkpoint``): your explanation of the number, in bytes. Which of its files does this rank
+      read, and how much of each?
+
+    Graded on 2 ranks, each number against the grader's own measurement in ranks of its own that
+    never run your code, within 1% (and a few kB): ``"read"`` against the same load; ``"checkpoint"``
+    against a load of the checkpoint alone. No size worked out from files (the whole checkpoint, a
+    rank's share, what one reader or one thread handles) reaches ``"read"``. Then compare both with
+    the share of the training state the rank keeps, and say where the difference goes (lesson 09,
+    Exercises)."""
+    raise NotImplementedError("Exercise 09.3: measure the bytes this process reads during load(), and "
+                              "account for the checkpoint's part.")

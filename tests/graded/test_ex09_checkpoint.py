@@ -96,22 +96,25 @@ def _resume_setup():
     resume()
     dist.barrier()
     calls.clear()
-    return resume, calls, folder[0]
+    return resume, calls, folder[0], lambda: engine.load_checkpoint(path)
 
 
 def _bytes_read_by_student():
-    """The student's bytes_read around one resume, the number of times it called it, and what its
-    process read just before (work outside load(): reading the loader's file once more)."""
+    """What the student's bytes_read returns around one resume (its two numbers, or what it returned
+    instead), and the number of times it called it; just before, this process reads a file that is
+    not part of the load (the loader's file once more)."""
     import shutil
 
     import torch.distributed as dist
     ex = exercise_module("ex09_checkpoint")
-    resume, calls, folder = _resume_setup()
+    resume, calls, folder, _ = _resume_setup()
     try:
         with open(f"{folder}/loader-rank{dist.get_rank()}.bin", "rb") as f:
             f.read()                                        # outside load(): must not be counted
-        got = ex.bytes_read(resume)
-        return {"bytes": got if isinstance(got, (int, float)) and not isinstance(got, bool) else repr(got),
+        got = ex.bytes_read(resume, f"{folder}/ckpt")
+        plain = isinstance(got, dict) and all(isinstance(got.get(k), (int, float)) and not isinstance(got.get(k), bool)
+                                              for k in ("read", "checkpoint"))
+        return {"got": {k: got[k] for k in ("read", "checkpoint")} if plain else repr(got)[:300],
                 "calls": len(calls)}
     finally:
         dist.barrier()
@@ -120,9 +123,9 @@ def _bytes_read_by_student():
 
 
 def _bytes_read_by_grader():
-    """The grader's measurement (trusted ranks, never the submission): the kernel's per-process
-    count of bytes read (every thread, every library), around one resume; and the checkpoint's
-    files on disk, for the messages."""
+    """The grader's measurements (trusted ranks, never the submission), with the kernel's
+    per-process count of bytes read (every thread, every library): around one resume, and around
+    one load of the checkpoint alone; and the checkpoint's files on disk, for the messages."""
     import os
     import shutil
 
@@ -131,16 +134,19 @@ def _bytes_read_by_grader():
     def rchar():
         with open("/proc/self/io") as f:
             return int(next(line for line in f if line.startswith("rchar:")).split()[1])
-    resume, _, folder = _resume_setup()
+    resume, _, folder, checkpoint_only = _resume_setup()
     before = rchar()
     resume()
     read = rchar() - before
+    before = rchar()
+    checkpoint_only()
+    checkpoint = rchar() - before
     ckpt = f"{folder}/ckpt"
     on_disk = sum(os.path.getsize(f"{ckpt}/{name}") for name in os.listdir(ckpt))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
-    return {"bytes": read, "checkpoint": on_disk}
+    return {"read": read, "checkpoint": checkpoint, "on_disk": on_disk}
 
 
 # -- references, computed here ----------------------------------------------------------------------
@@ -301,22 +307,46 @@ def test_load_shard_memory(student):
             f"(at most {bound}), never a whole parameter ({max(numels) * 4} bytes) or the model ({sum(numels) * 4})")
 
 
-@pytest.mark.points(2)
-def test_bytes_read_measured(student, clusters):
-    """measured: every byte this process reads during one load, whatever reads it, and nothing else"""
+@pytest.fixture(scope="module")
+def grader_reads(clusters):
+    """The grader's own measurement of the load bytes_read is given, on 2 trusted ranks."""
     import os
     if not os.path.exists("/proc/self/io"):
         pytest.skip("no per-process read counter here to compare with (Linux's /proc/self/io)")
+    return clusters(2).run(_bytes_read_by_grader)
+
+
+def _their_numbers(student):
     theirs = student.on_ranks(2, _bytes_read_by_student)
-    ours = clusters(2).run(_bytes_read_by_grader)
-    for rank, (t, o) in enumerate(zip(theirs, ours)):
+    for rank, t in enumerate(theirs):
         assert t["calls"] == 1, f"rank {rank}: bytes_read called load() {t['calls']} times; once is the contract"
-        got = t["bytes"]
-        assert isinstance(got, (int, float)), f"rank {rank}: bytes_read returned {got}, not a number of bytes"
-        # 1% and 8 kB: the same load read the same bytes on the grader's ranks, to the byte here;
-        # the slack is for the few hundred bytes a measurement itself may read
-        assert got == pytest.approx(o["bytes"], rel=0.01, abs=8192), (
-            f"rank {rank}: bytes_read = {got}; the grader measured {o['bytes']} bytes read by this process during "
-            f"the same load, on ranks of its own (the checkpoint's files on disk: {o['checkpoint']} bytes). "
-            f"Measure what this process read, every thread and every library, during load() and nothing else; "
-            f"never a size you compute")
+        assert isinstance(t["got"], dict), (
+            f"rank {rank}: bytes_read returned {t['got']}, not {{'read': bytes, 'checkpoint': bytes}}")
+    return [t["got"] for t in theirs]
+
+
+# 1% and 8 kB: the same load reads the same bytes on the grader's ranks, to the byte here; the
+# slack is for the few hundred bytes a measurement itself may read
+TOLERANCE = dict(rel=0.01, abs=8192)
+
+
+@pytest.mark.points(2)
+def test_bytes_read_measured(student, grader_reads):
+    """measured: every byte this process reads during one load, whatever reads it, and nothing else"""
+    for rank, (t, o) in enumerate(zip(_their_numbers(student), grader_reads)):
+        assert t["read"] == pytest.approx(o["read"], **TOLERANCE), (
+            f"rank {rank}: bytes_read's 'read' = {t['read']}; the grader measured {o['read']} bytes read by this "
+            f"process during the same load, on ranks of its own (the checkpoint's files on disk: {o['on_disk']} "
+            f"bytes). Measure what this process read, every thread and every library, during load() and nothing "
+            f"else; never a size you compute")
+
+
+@pytest.mark.points(1)
+def test_bytes_read_explained_checkpoint_part(student, grader_reads):
+    """explained: how many of those bytes were the checkpoint's, as the grader measures a load of it alone"""
+    for rank, (t, o) in enumerate(zip(_their_numbers(student), grader_reads)):
+        assert t["checkpoint"] == pytest.approx(o["checkpoint"], **TOLERANCE), (
+            f"rank {rank}: bytes_read's 'checkpoint' = {t['checkpoint']}; the grader measured {o['checkpoint']} "
+            f"bytes read by this process while it loaded the checkpoint alone, on ranks of its own (its files on "
+            f"disk: {o['on_disk']} bytes, saved by 2 ranks). Which of its files does a rank read, and how much "
+            f"of each?")

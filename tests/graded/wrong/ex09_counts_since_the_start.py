@@ -3,6 +3,8 @@ counter's baseline when the module is imported, not just before load(): everythi
 in between (building the model, an earlier load, a file read before the call) is counted too.
 
 Caught by: test_bytes_read_measured."""
+import pathlib
+
 import torch
 
 
@@ -64,6 +66,12 @@ def _rchar():
 _START = _rchar()                                           # when this module is imported
 
 
-def bytes_read(load):
+def _read(load):
     load()
     return _rchar() - _START
+
+
+def bytes_read(load, checkpoint):
+    # every rank reads every file of the checkpoint (the metadata and each rank's shard), whole
+    folder = pathlib.Path(checkpoint)
+    return {"read": _read(load), "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}

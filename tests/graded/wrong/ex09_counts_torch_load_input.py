@@ -4,6 +4,7 @@ metadata and everything read by other code (the data loader's state) are missed.
 
 Caught by: test_bytes_read_measured."""
 import os
+import pathlib
 
 import torch
 
@@ -58,7 +59,7 @@ def load_shard(numels, pieces, world_size, rank):
     return shard
 
 
-def bytes_read(load):
+def _read(load):
     seen = []
     real = torch.load
 
@@ -74,3 +75,9 @@ def bytes_read(load):
     finally:
         torch.load = real
     return sum(seen)
+
+
+def bytes_read(load, checkpoint):
+    # every rank reads every file of the checkpoint (the metadata and each rank's shard), whole
+    folder = pathlib.Path(checkpoint)
+    return {"read": _read(load), "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}

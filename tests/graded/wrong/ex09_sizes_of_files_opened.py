@@ -6,6 +6,7 @@ size on disk is a formula, not what was read.
 Caught by: test_bytes_read_measured."""
 import io
 import os
+import pathlib
 
 import torch
 
@@ -60,7 +61,7 @@ def load_shard(numels, pieces, world_size, rank):
     return shard
 
 
-def bytes_read(load):
+def _read(load):
     opened = []
     real = io.open
 
@@ -74,3 +75,9 @@ def bytes_read(load):
     finally:
         io.open = real
     return sum(os.path.getsize(f) for f in set(opened) if os.path.isfile(f))
+
+
+def bytes_read(load, checkpoint):
+    # every rank reads every file of the checkpoint (the metadata and each rank's shard), whole
+    folder = pathlib.Path(checkpoint)
+    return {"read": _read(load), "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}
