@@ -5,8 +5,9 @@ padded flat layout (written here) with pieces saved by M ranks and loaded by N; 
 overlaps, truncated pieces and pieces outside their parameter's range raise ValueError; pieces this
 rank does not need are not its business); the memory load_shard allocates, measured by torch's
 profiler; and the bytes a real load reads (a checkpoint read by Python's files in this thread, the
-data loader's state by numpy's C reader in another one), against the grader's own measurement of
-the same load on 2 ranks that never import the submission."""
+data loader's state by numpy's C reader in another one), and the checkpoint's part of them, each
+against the grader's own measurement (of the same load; of the checkpoint loaded alone) on 2 ranks
+that never import the submission."""
 import random
 
 import pytest
