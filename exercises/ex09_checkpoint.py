@@ -9,7 +9,7 @@ the middle of a parameter. A checkpoint that ANY world size can load stores, per
      fit exactly.
 09.2 ``load_shard``: a rank of the NEW world size builds its own shard straight from the pieces,
      without putting whole parameters (let alone the model) together.
-09.3 ``bytes_read``: measure what loading a checkpoint reads, and explain it.
+09.3 ``bytes_read``: measure what a load really reads, and explain it.
 
 Grade your work:  ``make grade`` or, in lesson 09, ``zerolab.grade.check("09")``.
 """
@@ -42,10 +42,23 @@ def load_shard(numels, pieces, world_size, rank):
         "Exercise 09.2: this rank's shard of the new layout, straight from the pieces that overlap it.")
 
 
-def bytes_read(load):
-    """Call ``load()`` (it loads a checkpoint on this rank) and return how many bytes this process
-    read meanwhile (the kernel counts every byte a process reads: ``/proc/self/io``, ``rchar``).
+def bytes_read(load, checkpoint):
+    """Call ``load()`` exactly once (it restarts training on this rank: a collective that loads the
+    checkpoint in the folder ``checkpoint`` and whatever else the restart needs) and return
+    ``{"read": bytes, "checkpoint": bytes}``:
 
-    Measure it; graded against the grader's own measurement of the same load on 2 ranks. Then
-    compare it with the checkpoint's size and with the share the rank keeps, and explain."""
-    raise NotImplementedError("Exercise 09.3: measure the bytes this process reads during load().")
+    * ``"read"``: how many bytes THIS process read from files while ``load()`` ran: every byte,
+      whichever code read it (Python's file objects, a C or C++ library, another thread of this
+      process), and nothing it read before or after the call. Measured, not computed.
+    * ``"checkpoint"``: how many of those bytes came from the checkpoint's files (the folder
+      ``checkpoint``): your explanation of the number, in bytes. Which of its files does this rank
+      read, and how much of each?
+
+    Graded on 2 ranks, each number against the grader's own measurement in ranks of its own that
+    never run your code, within 1% (and a few kB): ``"read"`` against the same load; ``"checkpoint"``
+    against a load of the checkpoint alone. No size worked out from files (the whole checkpoint, a
+    rank's share, what one reader or one thread handles) reaches ``"read"``. Then compare both with
+    the share of the training state the rank keeps, and say where the difference goes (lesson 09,
+    Exercises)."""
+    raise NotImplementedError("Exercise 09.3: measure the bytes this process reads during load(), and "
+                              "account for the checkpoint's part.")

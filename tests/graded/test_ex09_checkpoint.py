@@ -4,8 +4,10 @@ return. assemble and load_shard are checked against a brute-force element-by-ele
 padded flat layout (written here) with pieces saved by M ranks and loaded by N; validation (gaps,
 overlaps, truncated pieces and pieces outside their parameter's range raise ValueError; pieces this
 rank does not need are not its business); the memory load_shard allocates, measured by torch's
-profiler; and the bytes a real load reads, against the grader's own measurement of the same load
-on 2 ranks that never import the submission."""
+profiler; and the bytes a real load reads (a checkpoint read by Python's files in this thread, the
+data loader's state by numpy's C reader in another one), and the checkpoint's part of them, each
+against the grader's own measurement (of the same load; of the checkpoint loaded alone) on 2 ranks
+that never import the submission."""
 import random
 
 import pytest
@@ -50,42 +52,82 @@ def _load_shard_memory(numels, pieces, world_size):
     return out
 
 
-def _engine_with_checkpoint():
-    """A stage-3 engine after one step, its checkpoint saved in a fresh folder, loaded once (warm:
-    imports, first-call paths). Run by the student's ranks and by the grader's alike."""
-    import tempfile
+LOADER_BYTES = (412_345, 1_337_421)   # each rank's data-loader state (rank 0, rank 1): its own file
 
+
+def _resume_setup():
+    """A stage-3 engine after one step, its checkpoint saved in a fresh folder, and each rank's
+    data-loader state in a file of its own; returns (resume, folder). ``resume()`` is what the
+    student's bytes_read and the grader measure alike: the model's checkpoint loaded in this
+    thread (zerolab.checkpoint, Python's file objects) while a worker thread of the same process
+    reads this rank's data-loader state with numpy's C reader. It has run once already (warm:
+    imports, first-call paths), so the call measured reads exactly what a restart reads. Run by
+    the student's ranks and by the grader's alike."""
+    import tempfile
+    import threading
+
+    import numpy
     import torch.distributed as dist
 
     import zerolab
     from zerolab import models
+    rank = dist.get_rank()
     model = models.build("gpt", seed=0, dtype=torch.float64)
     engine = zerolab.initialize(model, stage=3, lr=1e-2)
-    engine.backward(engine(*models.batch("gpt", seed=dist.get_rank(), batch_size=2, model=model)))
+    engine.backward(engine(*models.batch("gpt", seed=rank, batch_size=2, model=model)))
     engine.step()
-    folder = [tempfile.mkdtemp(prefix="ex09-") if dist.get_rank() == 0 else None]
+    folder = [tempfile.mkdtemp(prefix="ex09-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)              # one checkpoint: rank 0 names the folder
     path = f"{folder[0]}/ckpt"
     engine.save_checkpoint(path)
-    engine.load_checkpoint(path)
-    return engine, path, folder[0]
+    loader = f"{folder[0]}/loader-rank{rank}.bin"
+    with open(loader, "wb") as f:
+        f.write(bytes(range(256)) * (LOADER_BYTES[rank] // 256) + bytes(LOADER_BYTES[rank] % 256))
+    calls = []
+
+    def resume():
+        calls.append(1)
+        state = {}
+        worker = threading.Thread(target=lambda: state.update(loader=numpy.fromfile(loader, dtype=numpy.uint8)))
+        worker.start()                                      # the data loader's state, meanwhile
+        engine.load_checkpoint(path)
+        worker.join()
+        if state["loader"].size != LOADER_BYTES[rank]:
+            raise RuntimeError(f"the data loader's state came back with {state['loader'].size} bytes")
+    resume()
+    dist.barrier()
+    calls.clear()
+    return resume, calls, folder[0], lambda: engine.load_checkpoint(path)
 
 
 def _bytes_read_by_student():
+    """What the student's bytes_read returns around one resume (its two numbers, or what it returned
+    instead), and the number of times it called it; just before, this process reads a file that is
+    not part of the load (the loader's file once more)."""
     import shutil
+
+    import torch.distributed as dist
     ex = exercise_module("ex09_checkpoint")
-    engine, path, folder = _engine_with_checkpoint()
+    resume, calls, folder, _ = _resume_setup()
     try:
-        return ex.bytes_read(lambda: engine.load_checkpoint(path))
+        with open(f"{folder}/loader-rank{dist.get_rank()}.bin", "rb") as f:
+            f.read()                                        # outside load(): must not be counted
+        got = ex.bytes_read(resume, f"{folder}/ckpt")
+        plain = isinstance(got, dict) and all(isinstance(got.get(k), (int, float)) and not isinstance(got.get(k), bool)
+                                              for k in ("read", "checkpoint"))
+        return {"got": {k: got[k] for k in ("read", "checkpoint")} if plain else repr(got)[:300],
+                "calls": len(calls)}
     finally:
-        import torch.distributed as dist
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(folder, ignore_errors=True)
 
 
 def _bytes_read_by_grader():
-    """The grader's measurement (trusted ranks): the kernel's count of bytes read by one load."""
+    """The grader's measurements (trusted ranks, never the submission), with the kernel's
+    per-process count of bytes read (every thread, every library): around one resume, and around
+    one load of the checkpoint alone; and the checkpoint's files on disk, for the messages."""
+    import os
     import shutil
 
     import torch.distributed as dist
@@ -93,14 +135,19 @@ def _bytes_read_by_grader():
     def rchar():
         with open("/proc/self/io") as f:
             return int(next(line for line in f if line.startswith("rchar:")).split()[1])
-    engine, path, folder = _engine_with_checkpoint()
+    resume, _, folder, checkpoint_only = _resume_setup()
     before = rchar()
-    engine.load_checkpoint(path)
+    resume()
     read = rchar() - before
+    before = rchar()
+    checkpoint_only()
+    checkpoint = rchar() - before
+    ckpt = f"{folder}/ckpt"
+    on_disk = sum(os.path.getsize(f"{ckpt}/{name}") for name in os.listdir(ckpt))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder, ignore_errors=True)
-    return read
+    return {"read": read, "checkpoint": checkpoint, "on_disk": on_disk}
 
 
 # -- references, computed here ----------------------------------------------------------------------
@@ -261,16 +308,46 @@ def test_load_shard_memory(student):
             f"(at most {bound}), never a whole parameter ({max(numels) * 4} bytes) or the model ({sum(numels) * 4})")
 
 
-@pytest.mark.points(2)
-def test_bytes_read_measured(student, clusters):
-    """measured: the bytes one rank reads to load a checkpoint"""
+@pytest.fixture(scope="module")
+def grader_reads(clusters):
+    """The grader's own measurement of the load bytes_read is given, on 2 trusted ranks."""
     import os
     if not os.path.exists("/proc/self/io"):
-        pytest.skip("no per-process read counter here (/proc/self/io)")
+        pytest.skip("no per-process read counter here to compare with (Linux's /proc/self/io)")
+    return clusters(2).run(_bytes_read_by_grader)
+
+
+def _their_numbers(student):
     theirs = student.on_ranks(2, _bytes_read_by_student)
-    ours = clusters(2).run(_bytes_read_by_grader)
-    for rank, (t, o) in enumerate(zip(theirs, ours)):
-        assert isinstance(t, (int, float)) and not isinstance(t, bool), f"rank {rank}: bytes_read returned {t!r}"
-        assert t == pytest.approx(o, rel=0.1, abs=65536), (
-            f"rank {rank}: bytes_read = {t!r}; the grader measured {o} bytes read by the same load "
-            f"(the kernel's counter, on ranks of its own)")
+    for rank, t in enumerate(theirs):
+        assert t["calls"] == 1, f"rank {rank}: bytes_read called load() {t['calls']} times; once is the contract"
+        assert isinstance(t["got"], dict), (
+            f"rank {rank}: bytes_read returned {t['got']}, not {{'read': bytes, 'checkpoint': bytes}}")
+    return [t["got"] for t in theirs]
+
+
+# 1% and 8 kB: the same load reads the same bytes on the grader's ranks, to the byte here; the
+# slack is for the few hundred bytes a measurement itself may read
+TOLERANCE = dict(rel=0.01, abs=8192)
+
+
+@pytest.mark.points(2)
+def test_bytes_read_measured(student, grader_reads):
+    """measured: every byte this process reads during one load, whatever reads it, and nothing else"""
+    for rank, (t, o) in enumerate(zip(_their_numbers(student), grader_reads)):
+        assert t["read"] == pytest.approx(o["read"], **TOLERANCE), (
+            f"rank {rank}: bytes_read's 'read' = {t['read']}; the grader measured {o['read']} bytes read by this "
+            f"process during the same load, on ranks of its own (the checkpoint's files on disk: {o['on_disk']} "
+            f"bytes). Measure what this process read, every thread and every library, during load() and nothing "
+            f"else; never a size you compute")
+
+
+@pytest.mark.points(1)
+def test_bytes_read_explained_checkpoint_part(student, grader_reads):
+    """explained: how many of those bytes were the checkpoint's, as the grader measures a load of it alone"""
+    for rank, (t, o) in enumerate(zip(_their_numbers(student), grader_reads)):
+        assert t["checkpoint"] == pytest.approx(o["checkpoint"], **TOLERANCE), (
+            f"rank {rank}: bytes_read's 'checkpoint' = {t['checkpoint']}; the grader measured {o['checkpoint']} "
+            f"bytes read by this process while it loaded the checkpoint alone, on ranks of its own (its files on "
+            f"disk: {o['on_disk']} bytes, saved by 2 ranks). Which of its files does a rank read, and how much "
+            f"of each?")

@@ -3,6 +3,8 @@ them, pads and cuts out its shard. Right values; but it builds the whole model t
 and it refuses a checkpoint whose missing pieces this rank does not even need.
 
 Caught by: test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need."""
+import pathlib
+
 import torch
 
 
@@ -29,11 +31,16 @@ def load_shard(numels, pieces, world_size, rank):
     return flat[rank * s:(rank + 1) * s].clone()
 
 
-def bytes_read(load):
+def bytes_read(load, checkpoint):
     def rchar():
-        for line in open("/proc/self/io"):
-            if line.startswith("rchar"):
-                return int(line.split()[1])
-    start = rchar()
+        # the kernel's count of the bytes this process (all its threads) was handed by read calls,
+        # whatever code made them; read_bytes would count only what storage fetched (0 from cache)
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    before = rchar()
     load()
-    return rchar() - start
+    read = rchar() - before
+    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
+    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    folder = pathlib.Path(checkpoint)
+    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}

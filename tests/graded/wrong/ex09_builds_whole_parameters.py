@@ -3,6 +3,8 @@ its pieces copied in) and checks only the part it owns. Right values and validat
 that needs 75,000 elements of a 300,000-element parameter allocates all of it.
 
 Caught by: test_load_shard_memory."""
+import pathlib
+
 import torch
 
 
@@ -45,10 +47,16 @@ def load_shard(numels, pieces, world_size, rank):
     return shard
 
 
-def bytes_read(load):
-    with open("/proc/self/io") as f:
-        before = dict(line.split(": ") for line in f.read().splitlines())
+def bytes_read(load, checkpoint):
+    def rchar():
+        # the kernel's count of the bytes this process (all its threads) was handed by read calls,
+        # whatever code made them; read_bytes would count only what storage fetched (0 from cache)
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    before = rchar()
     load()
-    with open("/proc/self/io") as f:
-        after = dict(line.split(": ") for line in f.read().splitlines())
-    return int(after["rchar"]) - int(before["rchar"])
+    read = rchar() - before
+    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
+    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    folder = pathlib.Path(checkpoint)
+    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}

@@ -3,6 +3,8 @@ whenever the world size divides the model, but then the last elements belong to 
 shard starts in the wrong place), where the padded flat buffer rounds up and pads with zeros.
 
 Caught by: test_load_shard_reshards_m_ranks_into_n."""
+import pathlib
+
 import torch
 
 
@@ -54,10 +56,16 @@ def load_shard(numels, pieces, world_size, rank):
     return shard
 
 
-def bytes_read(load):
+def bytes_read(load, checkpoint):
     def rchar():
+        # the kernel's count of the bytes this process (all its threads) was handed by read calls,
+        # whatever code made them; read_bytes would count only what storage fetched (0 from cache)
         with open("/proc/self/io") as f:
             return int(next(line for line in f if line.startswith("rchar:")).split()[1])
     before = rchar()
     load()
-    return rchar() - before
+    read = rchar() - before
+    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
+    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    folder = pathlib.Path(checkpoint)
+    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}

@@ -4,6 +4,8 @@ part: overlaps and gaps between pieces are refused, but not a gap before the fir
 missing file's elements at the start of the shard stay zero.
 
 Caught by: test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need."""
+import pathlib
+
 import torch
 
 
@@ -50,10 +52,16 @@ def load_shard(numels, pieces, world_size, rank):
     return shard
 
 
-def bytes_read(load):
+def bytes_read(load, checkpoint):
     def rchar():
+        # the kernel's count of the bytes this process (all its threads) was handed by read calls,
+        # whatever code made them; read_bytes would count only what storage fetched (0 from cache)
         with open("/proc/self/io") as f:
             return int(next(line for line in f if line.startswith("rchar:")).split()[1])
     before = rchar()
     load()
-    return rchar() - before
+    read = rchar() - before
+    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
+    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    folder = pathlib.Path(checkpoint)
+    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}

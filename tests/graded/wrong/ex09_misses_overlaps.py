@@ -3,6 +3,8 @@ elements it filled, then checks that none is left unmarked: a gap is caught, but
 the same elements (files from two different saves) load silently.
 
 Caught by: test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need."""
+import pathlib
+
 import torch
 
 
@@ -45,10 +47,16 @@ def load_shard(numels, pieces, world_size, rank):
     return shard
 
 
-def bytes_read(load):
-    def counter():
+def bytes_read(load, checkpoint):
+    def rchar():
+        # the kernel's count of the bytes this process (all its threads) was handed by read calls,
+        # whatever code made them; read_bytes would count only what storage fetched (0 from cache)
         with open("/proc/self/io") as f:
-            return int([line for line in f if line.startswith("rchar")][0].split()[1])
-    c0 = counter()
+            return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+    before = rchar()
     load()
-    return counter() - c0
+    read = rchar() - before
+    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
+    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    folder = pathlib.Path(checkpoint)
+    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}
