@@ -1,10 +1,10 @@
 """The disk tier's plumbing: aligned host buffers, a fixed pool of them, files read and written with
 ``O_DIRECT`` where the file system allows it, and background I/O threads that record when they ran.
 
-ZeRO-Infinity reads and writes NVMe through DeepNVMe (Rajbhandari et al., SC21, arXiv 2104.07857,
-Sec. 6.3): asynchronous bulk requests, many in flight (a queue depth), into a pool of pinned host
-buffers that is allocated once and reused, so that the data never passes through the operating
-system's page cache and no buffer is allocated per transfer. DeepSpeed implements it in
+ZeRO-Infinity reads and writes NVMe through DeepNVMe, part of its infinity offload engine
+(Rajbhandari et al., SC21, arXiv 2104.07857): asynchronous bulk requests, many in flight (a queue
+depth), into a pool of pinned host buffers that is allocated once and reused, so that the data never
+passes through the operating system's page cache and no buffer is allocated per transfer. DeepSpeed implements it in
 ``csrc/aio`` (libaio; every swap file is opened ``O_RDONLY | O_DIRECT`` or ``O_WRONLY | O_CREAT |
 O_DIRECT``, ``csrc/aio/common/deepspeed_aio_common.cpp``, ``open_file``) with buffers pinned by the
 accelerator (``deepspeed/runtime/swap_tensor/utils.py``, ``SwapBufferManager``), configured by
@@ -51,7 +51,7 @@ def aligned_empty(nbytes, *, align=ALIGN):
 
 class BufferPool:
     """``count`` aligned host buffers of ``nbytes`` each, allocated once and reused (DeepSpeed's
-    ``SwapBufferManager``; the paper's pinned memory management layer, Sec. 6.3). ``acquire()``
+    ``SwapBufferManager``; the paper's pinned memory management layer). ``acquire()``
     hands one out (waiting while all are busy), ``release(buf)`` returns it. Thread-safe: an I/O
     thread may release a buffer once its write has landed. ``high_water``: most buffers out at once.
     ``timeout``: how long :meth:`acquire` waits by default before it calls the wait a leak."""
