@@ -1,7 +1,7 @@
 """One rank's optimizer states in a file on disk, in chunks, with a crash-safe commit per step.
 
 The states of ``numel`` elements (ZeRO-Infinity's optimizer offload to NVMe, arXiv 2104.07857,
-Sec. 5.1: the fp32 master, Adam's momentum and variance, 12 bytes per parameter) are cut into chunks
+Sec. 5.1; here the fp32 master, Adam's momentum and variance, 12 bytes per parameter) are cut into chunks
 of ``chunk_numel`` elements. Chunk i is one RECORD: its fields back to back, each padded so that the
 record is a whole number of 4 KiB blocks (``O_DIRECT``'s alignment)::
 
