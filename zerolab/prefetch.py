@@ -4,11 +4,12 @@ on the first step and, from then on, reads the next ``depth`` units from disk on
 while the current one computes.
 
 The paper's dynamic prefetcher traces the sequence of operators as the model runs, keeps track of
-where it is in it, and before operator i runs issues the NVMe -> CPU read for operator i+3, the
-CPU -> GPU copy for i+2 and the all-gather for i+1, all three in flight at once. DeepSpeed records the module order in its first step (``ZeRoTraceMode.RECORD``
--> ``COMPLETE``), invalidates the trace when a later step runs modules in another order, prefetches
-``stage3_prefetch_bucket_size`` elements ahead, and swaps NVMe-resident parameter partitions in
-further ahead still (``__prefetch_nvme_param_partitions`` in
+where it is in it, and before operator i runs issues the NVMe -> CPU read for operator i+3, the CPU
+-> GPU copy for i+2 and the all-gather for i+1, all three in flight at once. DeepSpeed records the
+module order in its first step (``ZeRoTraceMode.RECORD`` -> ``COMPLETE``), invalidates the trace
+when a later step runs modules in another order, prefetches ``stage3_prefetch_bucket_size`` elements
+ahead, and swaps NVMe-resident parameter partitions in further ahead still
+(``__prefetch_nvme_param_partitions`` in
 ``deepspeed/runtime/zero/partitioned_param_coordinator.py``), bounded by its swap buffers.
 
 Here one hop, disk -> RAM, on one process; the units' weights are read into a pool of ``depth + 1``

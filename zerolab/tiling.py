@@ -5,10 +5,11 @@ before the next, so its working memory is one tile, not the layer.
 The paper's case: offloading all model states still leaves the largest single operator to be held
 whole while it computes (its "model state working memory"); in an ablation of its evaluation
 (single-layer models, GPU memory pre-fragmented into 2 GB chunks) a tiling factor of 16 trains
-hidden sizes up to 64K where 8K was the limit without, with no tensor-slicing model parallelism. DeepSpeed's ``deepspeed.zero.TiledLinear`` (``deepspeed/runtime/zero/tiling.py``)
-builds the layer from ``in_splits x out_splits`` separate ``nn.Linear`` tiles, so that ZeRO-3
-gathers, uses and releases each tile as its own module (and offloads it, with ``offload_param``);
-the partial sums over ``in_splits`` are added, the ``out_splits`` outputs concatenated.
+hidden sizes up to 64K where 8K was the limit without, with no tensor-slicing model parallelism.
+DeepSpeed's ``deepspeed.zero.TiledLinear`` (``deepspeed/runtime/zero/tiling.py``) builds the layer
+from ``in_splits x out_splits`` separate ``nn.Linear`` tiles, so that ZeRO-3 gathers, uses and
+releases each tile as its own module (and offloads it, with ``offload_param``); the partial sums
+over ``in_splits`` are added, the ``out_splits`` outputs concatenated.
 
 :class:`TiledLinear` here tiles on OUTPUT features only and keeps the weight in a file on disk:
 tile i is rows ``rows[i]`` of the weight; ``y[..., rows[i]] = x @ W[rows[i]].T + b[rows[i]]``. Each
