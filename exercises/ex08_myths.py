@@ -26,8 +26,8 @@ def sharded_server_average(tensor, servers, group=None):
       can be (their sizes differ by at most one element);
     * who talks to whom: a rank that is not a server exchanges messages with servers only;
     * how much: the least traffic such a scheme allows; graded message by message, as the bytes
-      each rank sends to each other rank (so a byte sent twice, or to a rank with no use for it,
-      fails);
+      each rank sends to each other rank (so a value sent twice, or to a rank that is neither
+      responsible for it nor needs it, fails);
     * only point-to-point messages (``torch.distributed`` or ``zerolab.comm`` send / recv);
     * ``group``: only its ranks take part; ``servers`` is an int from 1 to the group's size, and
       anything else (0, more than the group's size, a bool such as True, a float such as 2.0) is a
