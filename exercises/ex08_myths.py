@@ -21,11 +21,13 @@ def sharded_server_average(tensor, servers, group=None):
     subgroup of 3 of the 4 ranks while the fourth does something else; exact values; every message
     recorded, every collective made to raise):
 
-    * what the servers own: each server is responsible for its part of the tensor's elements, the
-      K parts as even as they can be (their sizes differ by at most one element);
+    * what the servers own: each server is responsible for a part of the tensor's elements (it forms
+      their average, and every other rank gets that average from it), the K parts as even as they
+      can be (their sizes differ by at most one element);
     * who talks to whom: a rank that is not a server exchanges messages with servers only;
-    * how much: every element travels once to the server responsible for it and, averaged, once
-      from that server to every other rank; nothing else is sent;
+    * how much: the least traffic such a scheme allows; graded message by message, as the bytes
+      each rank sends to each other rank (so a value sent twice, or to a rank that is neither
+      responsible for it nor needs it, fails);
     * only point-to-point messages (``torch.distributed`` or ``zerolab.comm`` send / recv);
     * ``group``: only its ranks take part; ``servers`` is an int from 1 to the group's size, and
       anything else (0, more than the group's size, a bool such as True, a float such as 2.0) is a
@@ -35,16 +37,15 @@ def sharded_server_average(tensor, servers, group=None):
 
 
 def bytes_per_element(param_dtype):
-    """Run one training step (forward, backward, step) of zerolab's stage-2 engine on TinyGPT on
-    the current ranks (``zerolab.initialize(models.build("gpt"), stage=2, lr=1e-3,
-    param_dtype=param_dtype)``, batch from ``models.batch("gpt", seed=rank, model=model)``; start
-    the measurement after a first, warm-up step) and return the bytes this rank wrote to its sockets
-    during the measured step, divided by the number of elements its collectives carried under the
-    ring (a reduce-scatter of the gradients and an all-gather of the parameters: 2(N-1)/N x Ψ).
+    """The bytes this rank writes to its sockets in one steady-state training step (forward,
+    backward, step) of zerolab's stage-2 engine on TinyGPT, per element that its collectives carry
+    under the ring algorithm (the textbook count for a stage-2 step on N ranks).
 
-    Measure the bytes (the kernel's counter, ``zerolab.comm.log().measured_bytes``); graded against
-    the grader's own measurement of the same step for float32 and bfloat16, to within a few hundred
-    bytes of socket traffic (a barrier's worth): closer than any formula for it comes. Then explain
-    the two numbers, and what the sockets carry beyond the formula."""
+    The step graded: ``zerolab.initialize(models.build("gpt"), stage=2, lr=1e-3,
+    param_dtype=param_dtype)`` on the current ranks, each rank's batch from
+    ``models.batch("gpt", seed=rank, model=model)``. Graded against the grader's own measurement of
+    the same step, for float32 and bfloat16, to within a few hundred bytes of socket traffic (a
+    barrier's worth): closer than any formula for it comes, so the bytes must be measured. Then
+    explain the two numbers, and what the sockets carry beyond the formula."""
     raise NotImplementedError(
         "Exercise 08.2: measure one step's socket bytes and divide by the elements the ring carries.")
