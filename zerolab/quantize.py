@@ -187,11 +187,12 @@ def hierarchical_reduce_scatter(output, input, mesh, *, bits=4, block=DEFAULT_BL
     """qgZ on a 2-D mesh (ZeRO++ Sec. 3.3): ``output`` receives the SUM over all ranks of this rank's
     slice of ``input``, slices in world-rank order (rank = node x per_node + device). Blocking.
 
-    1. inside the node: slice k of the reordered input (the slices of every node's device k, ZeRO++'s
-       "tensor slice reordering") is quantized and sent to device k (all-to-all on ``mesh.intra``);
-       each rank dequantizes and sums what its node sent: its node's sum of those slices, fp32;
-    2. across nodes: that node sum is cut per node, quantized again and sent to device k of each node
-       (all-to-all on ``mesh.inter``); the owner dequantizes and sums the nodes' partial sums.
+    1. inside the node: the input's slices, reordered so that the two hops leave each rank its own
+       slice (ZeRO++'s "tensor slice reordering"), are quantized and sent one part to each device
+       (all-to-all on ``mesh.intra``); each rank dequantizes and sums what its node sent, fp32;
+    2. across nodes: that node sum is cut per node, quantized again and sent to the same device of
+       each node (all-to-all on ``mesh.inter``); the owner dequantizes and sums the nodes' partial
+       sums.
 
     Per rank: (p-1)/p x Ψ x bits/8 bytes inside the node, (m-1)/m x Ψ/p x bits/8 across nodes (p
     devices per node, m nodes, Ψ the input's elements), plus the scales."""
