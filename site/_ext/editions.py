@@ -1,0 +1,71 @@
+"""The site's two editions (English, and Chinese under zh/): a Sphinx extension of site/conf.py.
+
+Each edition's sources carry `_edition.json`, written by tools/build_site.py (`edition`): the
+editions in the switch's order, each with its label, its HTML language, where its root is from this
+edition's root, and its pages. From it:
+- every page gets `zerolab_switch` (site/_templates/language-switch.html draws it at the top of the
+  page): a link to this same page in the other edition, or to that edition's landing page where it
+  has no such page; and a `<link rel="alternate" hreflang>` where it has;
+- the Chinese edition's headings get the anchors of the English headings they translate (the table
+  `english_anchors`), so the links the translations keep (`#a-process-group`, `05_zero3.ipynb#...`)
+  resolve and a section has one address in both editions.
+A module of its own (not conf.py) so that Sphinx's parallel readers can pickle the slug function.
+"""
+import json
+import pathlib
+
+EDITION_FILE = "_edition.json"             # tools/build_site.py: EDITION_FILE
+SPECIAL_PAGES = ("search", "genindex")     # Sphinx's own pages, in every edition
+
+
+class EnglishAnchors:
+    """MyST's heading slug function for the Chinese edition: a translated heading gets its English
+    heading's anchor; any other heading the usual GitHub-style anchor."""
+
+    def __init__(self, table):
+        self.table = dict(table)
+
+    def __call__(self, title):
+        from myst_parser.slugs import github_slugify
+        return self.table.get(title) or github_slugify(title)
+
+
+def read_edition(app, config):
+    path = pathlib.Path(app.srcdir) / EDITION_FILE
+    if not path.is_file():                 # sources staged by hand: one edition, no switch
+        return
+    config.zerolab_edition = json.loads(path.read_text(encoding="utf-8"))
+    anchors = config.zerolab_edition.get("english_anchors")
+    if anchors:
+        config.myst_heading_slug_func = EnglishAnchors(anchors)
+
+
+def language_switch(app, pagename, templatename, context, doctree):
+    """The switch of one page: each edition's label, and a link to this same page in each other
+    edition, or to that edition's landing page where it has no such page. A lesson page keeps the
+    reader's section (the anchors are the same in both editions)."""
+    table = app.config.zerolab_edition
+    if not table:
+        return
+    up = "../" * pagename.count("/")
+    items, alternates = [], []
+    for other in table["editions"]:
+        if other["name"] == table["current"]:
+            items.append({"label": other["label"], "lang": other["lang"], "href": None})
+            continue
+        same = pagename in other["pages"] or pagename in SPECIAL_PAGES
+        href = f"{up}{other['root']}{pagename if same else 'index'}.html"
+        items.append({"label": other["label"], "lang": other["lang"], "href": href,
+                      "keep_section": same and pagename.startswith("notebooks/")})
+        if same:
+            alternates.append(f'<link rel="alternate" hreflang="{other["lang"]}" href="{href}" />')
+    context["zerolab_switch"] = {"items": items,
+                                 "aria": "语言" if table["current"] == "zh" else "Language"}
+    context["metatags"] = context.get("metatags", "") + "\n".join(alternates)
+
+
+def setup(app):
+    app.add_config_value("zerolab_edition", None, "html")
+    app.connect("config-inited", read_edition)
+    app.connect("html-page-context", language_switch)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}
