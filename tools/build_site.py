@@ -433,9 +433,10 @@ def zh_exercises_page(notebooks, exercises):
     return "".join(body)
 
 
-def _heading_titles(markdown):
+def _heading_titles(markdown, kinds=("text", "code_inline")):
     """The titles MyST makes anchors of (levels 1-3, site/conf.py's myst_heading_anchors), as MyST
-    gives them to its slug function: the heading's text and inline code, in order."""
+    gives them to its slug function: the heading's text and inline code, in order (with
+    ``math_inline`` in ``kinds`` too: the text docutils makes the section's id of)."""
     from markdown_it.renderer import RendererHTML
     from myst_parser.config.main import MdParserConfig
     from myst_parser.parsers.mdit import create_md_parser
@@ -443,19 +444,22 @@ def _heading_titles(markdown):
                               RendererHTML)
     tokens = parser.parse(markdown)
     return ["".join(child.content for child in tokens[i + 1].children or []
-                    if child.type in ("text", "code_inline"))
+                    if child.type in kinds)
             for i, token in enumerate(tokens) if token.type == "heading_open" and int(token.tag[1:]) <= 3]
 
 
 def english_anchors(pairs):
-    """{Chinese heading title: the English heading's anchor}, from (English notebook, Chinese
+    """{"slugs": {Chinese heading title: the English heading's anchor}, "ids": {that anchor: the id
+    docutils gives the English section, which the English page's contents link to}}, from (English notebook, Chinese
     notebook) pairs, cell by cell (the translation keeps each cell's sequence of headings: the gate
     checks it). The Chinese site gives each translated heading its English anchor, so the links the
     translations keep ([...](#a-process-group), [...](05_zero3.ipynb#...)) resolve, and a section's
     address is the same in both editions. A title translated from two different English titles is
-    left out (its heading gets an anchor of its own)."""
+    left out (its heading gets an anchor of its own). The Chinese section gets the English id too, so
+    the switch keeps the section a reader chose in the English contents."""
+    from docutils.nodes import fully_normalize_name, make_id
     from myst_parser.slugs import github_slugify
-    table, ambiguous = {}, set()
+    table, ambiguous, ids = {}, set(), {}
     for english, chinese in pairs:
         for a, b in zip(english["cells"], chinese["cells"]):
             if a["cell_type"] != "markdown" or a.get("source") == b.get("source"):
@@ -463,11 +467,14 @@ def english_anchors(pairs):
             en_titles, zh_titles = _heading_titles(i18n.source(a)), _heading_titles(i18n.source(b))
             if len(en_titles) != len(zh_titles):
                 continue              # not a current translation (i18n check reports it)
-            for en, zh in zip(en_titles, zh_titles):
+            en_texts = _heading_titles(i18n.source(a), ("text", "code_inline", "math_inline"))
+            for en, zh, text in zip(en_titles, zh_titles, en_texts):
                 slug = github_slugify(en)
+                ids[slug] = make_id(fully_normalize_name(text))   # docutils' id: the one the English contents use
                 if table.setdefault(zh, slug) != slug:
                     ambiguous.add(zh)
-    return {zh: slug for zh, slug in table.items() if zh not in ambiguous}
+    table = {zh: slug for zh, slug in table.items() if zh not in ambiguous}
+    return {"slugs": table, "ids": {slug: ids[slug] for slug in table.values() if ids[slug] and ids[slug] != slug}}
 
 
 def chinese_sources(repo, lessons, english):

@@ -7,8 +7,9 @@ edition's root, and its pages. From it:
   page): a link to this same page in the other edition, or to that edition's landing page where it
   has no such page; and a `<link rel="alternate" hreflang>` where it has;
 - the Chinese edition's headings get the anchors of the English headings they translate (the table
-  `english_anchors`), so the links the translations keep (`#a-process-group`, `05_zero3.ipynb#...`)
-  resolve and a section has one address in both editions.
+  `english_anchors`), so the links the translations keep (`#1-a-process-group`,
+  `05_zero3.ipynb#...`) resolve, and the English section's docutils id (`#a-process-group`, what
+  the contents link to), so a section has the same addresses in both editions.
 A module of its own (not conf.py) so that Sphinx's parallel readers can pickle the slug function.
 """
 import json
@@ -37,7 +38,22 @@ def read_edition(app, config):
     config.zerolab_edition = json.loads(path.read_text(encoding="utf-8"))
     anchors = config.zerolab_edition.get("english_anchors")
     if anchors:
-        config.myst_heading_slug_func = EnglishAnchors(anchors)
+        config.myst_heading_slug_func = EnglishAnchors(anchors["slugs"])
+
+
+def english_ids(app, doctree):
+    """A Chinese section with an English anchor also gets the id docutils gave the English section
+    (`1. A process group` -> `a-process-group`: the id the English contents link to), so that the
+    switch, which keeps the URL's #section, lands on the same section."""
+    table = (app.config.zerolab_edition or {}).get("english_anchors")
+    if not table:
+        return
+    from docutils import nodes
+    for section in doctree.findall(nodes.section):
+        extra = table["ids"].get(section.get("slug"))
+        if extra and extra not in section["ids"] and extra not in doctree.ids:
+            section["ids"].append(extra)
+            doctree.ids[extra] = section
 
 
 def language_switch(app, pagename, templatename, context, doctree):
@@ -67,5 +83,6 @@ def language_switch(app, pagename, templatename, context, doctree):
 def setup(app):
     app.add_config_value("zerolab_edition", None, "html")
     app.connect("config-inited", read_edition)
+    app.connect("doctree-read", english_ids)
     app.connect("html-page-context", language_switch)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
