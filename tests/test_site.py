@@ -201,6 +201,20 @@ def test_every_page_of_both_editions_switches_to_the_same_page_in_the_other(site
         assert f"notebooks/{nb.stem}.html" not in fallbacks
 
 
+def _search_terms(root):
+    text = (root / "searchindex.js").read_text(encoding="utf-8")
+    index = json.loads(text[text.index("(") + 1:text.rindex(")")])
+    return set(index["terms"])
+
+
+def test_the_chinese_search_index_holds_chinese_words(site):
+    """Sphinx's Chinese search cuts the text into words with jieba: without it the index would hold
+    only the Latin words, and a search for 分片 would find nothing."""
+    terms = _search_terms(site / "zh")
+    assert {"分片", "并行", "梯度", "显存"} <= terms, sorted(t for t in terms if not t.isascii())[:20]
+    assert "all" in terms or "gather" in terms                  # the Latin words too
+
+
 def test_a_translated_lesson_keeps_the_english_anchors(site):
     """The translations keep their links' English targets (#a-process-group, 05_zero3.ipynb#...):
     the Chinese headings carry the English anchors, so those links work and the switch keeps the
@@ -408,6 +422,49 @@ def test_the_site_in_a_browser_landing_lesson_images_math_and_next(site, request
             page.wait_for_timeout(500)
             assert not errors, "\n".join(errors)
             assert not elsewhere, f"the site fetched from other hosts: {elsewhere}"
+        except Exception:
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=False)
+            raise
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine")
+def test_the_language_switch_and_the_chinese_search_in_a_browser(site, request):
+    """On lesson 00 at a section, 中文 leads to the Chinese lesson 00 at the same section, English
+    back; on the Reference page (English only) 中文 leads to the Chinese landing page; the Chinese
+    search finds the lessons that speak of 分片 (sharding)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with _serve(site) as base, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(f"{page.url}: {e}"))
+        page.on("requestfailed", lambda r: errors.append(f"{page.url}: failed {r.url}"))
+        try:
+            page.goto(f"{base}/notebooks/00_collectives.html#a-process-group", wait_until="load")
+            page.locator(".zerolab-language-switch a", has_text="中文").click()
+            page.wait_for_url("**/zh/notebooks/00_collectives.html#a-process-group")
+            assert "第 00 课" in page.locator("h1").first.inner_text()
+            assert page.evaluate("() => document.getElementById('a-process-group') !== null")
+            assert page.evaluate("() => document.documentElement.lang") == "zh-CN"
+            page.locator(".zerolab-language-switch a", has_text="English").click()
+            page.wait_for_url("**/notebooks/00_collectives.html#a-process-group")
+            assert "/zh/" not in page.url and "Lesson 00" in page.locator("h1").first.inner_text()
+
+            page.goto(f"{base}/reference.html", wait_until="load")
+            page.locator(".zerolab-language-switch a", has_text="中文").click()
+            page.wait_for_url("**/zh/index.html")
+
+            page.goto(f"{base}/zh/search.html?q=分片", wait_until="load")
+            page.wait_for_selector("#search-results li", timeout=30_000)
+            found = page.locator("#search-results li a").all_inner_texts()
+            assert any("ZeRO" in t or "课" in t for t in found), found
+            assert not errors, "\n".join(errors)
         except Exception:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=False)

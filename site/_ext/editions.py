@@ -13,6 +13,7 @@ edition's root, and its pages. From it:
 A module of its own (not conf.py) so that Sphinx's parallel readers can pickle the slug function.
 """
 import json
+import logging
 import pathlib
 
 EDITION_FILE = "_edition.json"             # tools/build_site.py: EDITION_FILE
@@ -39,6 +40,16 @@ def read_edition(app, config):
     anchors = config.zerolab_edition.get("english_anchors")
     if anchors:
         config.myst_heading_slug_func = EnglishAnchors(anchors["slugs"])
+    if config.language.startswith("zh"):
+        # Sphinx's Chinese search index cuts the text into words with jieba (the `site` extra);
+        # without it the index would hold only the Latin words. jieba logs its dictionary's
+        # loading at DEBUG level on stderr: quiet.
+        try:
+            import jieba
+        except ImportError:
+            raise RuntimeError("the Chinese edition's search needs jieba (pip install jieba; `make setup` "
+                               "installs it with the site extra)") from None
+        jieba.setLogLevel(logging.WARNING)
 
 
 def english_ids(app, doctree):
@@ -80,7 +91,22 @@ def language_switch(app, pagename, templatename, context, doctree):
     context["metatags"] = context.get("metatags", "") + "\n".join(alternates)
 
 
+def _chinese_search():
+    """Sphinx's Chinese search language, its JavaScript stemmer named right. Sphinx 9.0 (the pinned
+    9.0.4) writes `window.Stemmer = ChineseStemmer;` into language_data.js from the language's name,
+    but the Chinese search ships English's stemmer (Latin words are stemmed as English), whose class
+    is EnglishStemmer: the search page stops with "ChineseStemmer is not defined" and finds nothing
+    (sphinx-doc/sphinx#14229, fixed by #14416: the class named from the stemmer's file). The same
+    class, named for the stemmer it uses; drop this once the pinned Sphinx has the fix."""
+    from sphinx.search.zh import SearchChinese
+
+    class SearchChineseWithItsStemmer(SearchChinese):
+        language_name = "English"          # only makes the JS class name: EnglishStemmer
+    return SearchChineseWithItsStemmer
+
+
 def setup(app):
+    app.add_search_language(_chinese_search())
     app.add_config_value("zerolab_edition", None, "html")
     app.connect("config-inited", read_edition)
     app.connect("doctree-read", english_ids)
