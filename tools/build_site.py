@@ -31,6 +31,7 @@ The output folder is a static site for GitHub Pages (with .nojekyll) or any web 
 """
 import argparse
 import base64
+import functools
 import html
 import json
 import pathlib
@@ -433,16 +434,21 @@ def zh_exercises_page(notebooks, exercises):
     return "".join(body)
 
 
+@functools.cache
+def _myst_parser():
+    """MyST's markdown parser, with the extensions site/conf.py enables (myst_enable_extensions)."""
+    from markdown_it.renderer import RendererHTML
+    from myst_parser.config.main import MdParserConfig
+    from myst_parser.parsers.mdit import create_md_parser
+    return create_md_parser(MdParserConfig(enable_extensions={"dollarmath", "amsmath", "colon_fence"}),
+                            RendererHTML)
+
+
 def _heading_titles(markdown, kinds=("text", "code_inline")):
     """The titles MyST makes anchors of (levels 1-3, site/conf.py's myst_heading_anchors), as MyST
     gives them to its slug function: the heading's text and inline code, in order (with
     ``math_inline`` in ``kinds`` too: the text docutils makes the section's id of)."""
-    from markdown_it.renderer import RendererHTML
-    from myst_parser.config.main import MdParserConfig
-    from myst_parser.parsers.mdit import create_md_parser
-    parser = create_md_parser(MdParserConfig(enable_extensions={"dollarmath", "amsmath", "colon_fence"}),
-                              RendererHTML)
-    tokens = parser.parse(markdown)
+    tokens = _myst_parser().parse(markdown)
     return ["".join(child.content for child in tokens[i + 1].children or []
                     if child.type in kinds)
             for i, token in enumerate(tokens) if token.type == "heading_open" and int(token.tag[1:]) <= 3]
