@@ -311,7 +311,11 @@ def test_a_switch_to_a_missing_page_fails_the_build(tmp_path):
     switch whose target page is gone."""
     course = _tiny_course(tmp_path / "zh-course", GOOD)
     (course / "README.zh-CN.md").write_text(TINY_README_ZH, encoding="utf-8")
+    readme = (course / "README.md").read_text()        # README's own link to the Chinese README
+    (course / "README.md").write_text(readme.replace("What it is.", "What it is. [中文](README.zh-CN.md)"))
     out = build_site.build(tmp_path / "out", repo=course, work=tmp_path / "work", jobs="1")
+    assert '<a href="zh/index.html">中文</a>' in _html(out, "index.html")
+    assert '<a href="../index.html">English</a> · 中文' in _html(out, "zh/index.html")
     assert _switch(out, "notebooks/00_tiny.html")[1] == {"中文": "zh/notebooks/00_tiny.html"}
     assert _switch(out, "zh/notebooks/00_tiny.html")[1] == {"English": "notebooks/00_tiny.html"}
     assert _switch(out, "reference.html")[1] == {"中文": "zh/index.html"}
