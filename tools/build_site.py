@@ -19,7 +19,7 @@ Three steps, each of which fails the build:
    The Chinese edition is staged the same way in build/site/src-zh (its headings keep the English
    anchors, so the translations' links, which keep the English targets, resolve), where the checkout
    has a README.zh-CN.md; each edition's sources carry `_edition.json`, the switch's table (see
-   `edition`), which site/conf.py reads;
+   `edition`), which site/_ext/editions.py reads;
 2. Sphinx + MyST-NB (site/conf.py) with -W --keep-going, once per edition (the two run side by side;
    the Chinese with `-D language=zh_CN`, so Sphinx's and the theme's own words are Chinese): any
    warning (a broken cross-reference, an unreadable image, a bad toctree entry) fails it; cells
@@ -69,7 +69,7 @@ WIDGET_NOTE_ZH = ("*交互控件的静态快照。* 控件要调用 Python，需
 ZH_DIR = "zh"
 ZH_README = "README.zh-CN.md"
 ZH_LANGUAGE = "zh_CN"
-EDITION_FILE = "_edition.json"     # staged beside each edition's sources; site/conf.py reads it
+EDITION_FILE = "_edition.json"     # staged beside each edition's sources; site/_ext/editions.py reads it
 
 
 class SiteError(Exception):
@@ -552,13 +552,6 @@ def _publish(src, staged):
         _write(src / rel, data)
     for old in [p for p in src.rglob("*") if p.is_file() and p.relative_to(src).as_posix() not in staged]:
         old.unlink()                                       # a lesson renamed or removed
-
-
-def stage(src, repo=REPO):
-    """Write the English edition's sources (from the checkout ``repo``) into ``src``; return the files staged."""
-    staged = english_sources(repo)
-    _publish(src, staged)
-    return sorted(staged)
 
 
 def stage_all(work, repo=REPO, say=print):
