@@ -1,7 +1,7 @@
 """`make site`: the course as a static website (tools/build_site.py, site/conf.py, tools/check_site.py).
 
-The real site, both editions (English, and Chinese under zh/), is built once (about 20 s on 2 cores)
-with every proxy pointed at a closed port, so a build that reached for the network would fail. Every
+The real site, both editions (English, and Chinese under zh/), is built once (about 30 s of CPU time;
+from 28 s to 2 minutes measured on 2 cores shared with other jobs) with every proxy pointed at a closed port, so a build that reached for the network would fail. Every
 page of both editions carries a language switch that leads to the same page in the other edition
 (or to its landing page where there is none); a small course proves that a switch to a missing page
 fails the build. Small throw-away courses prove that the build fails on
