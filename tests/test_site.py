@@ -1,14 +1,15 @@
 """`make site`: the course as a static website (tools/build_site.py, site/conf.py, tools/check_site.py).
 
 The real site, both editions (English, and Chinese under zh/), is built once (about 30 s of CPU time;
-from 28 s to 2 minutes measured on 2 cores shared with other jobs) with every proxy pointed at a closed port, so a build that reached for the network would fail. Every
-page of both editions carries a language switch that leads to the same page in the other edition
-(or to its landing page where there is none); a small course proves that a switch to a missing page
-fails the build. Small throw-away courses prove that the build fails on
-a broken link or a missing image, and the link checker is tested on hand-written pages. The built site
-is then read in headless Chromium (skipped without chromium, like tests/test_browser.py): pages load
-with no console error and nothing fetched from another host, every image of a lesson loads, math is
-typeset, and "next" leads to the next lesson.
+from 28 s to 2 minutes measured on 2 cores shared with other jobs) with every proxy pointed at a
+closed port, so a build that reached for the network would fail. Every page of both editions carries
+a language switch that leads to the same page in the other edition (or to its landing page where
+there is none); a small course proves that a switch to a missing page fails the build. Small
+throw-away courses prove that the build fails on a broken link or a missing image, and the link
+checker is tested on hand-written pages. The built site is then read in headless Chromium (skipped
+without chromium, like tests/test_browser.py): pages load with no console error and nothing fetched
+from another host, every image of a lesson loads, math is typeset, "next" leads to the next lesson,
+the switch keeps the page and the section, and the Chinese search finds Chinese words.
 """
 import contextlib
 import functools
