@@ -94,7 +94,10 @@ notebooks: $(STAMP)
 	$(PY) tools/execute_notebooks.py notebooks/*.ipynb
 
 # The course as a static website in _site/ (GitHub Pages-ready): every lesson as committed, nothing
-# executed; fails on a Sphinx warning, a broken internal link or image, or anything loaded from the net.
+# executed; and the Chinese edition in _site/zh/ (the lessons `make zh` builds, README.zh-CN.md as its
+# landing page; presenter guides and benchmark results in English), with an English / 中文 switch on
+# every page leading to the same page in the other language (else to its landing page). Fails on a
+# Sphinx warning, a broken internal link or image (the switch's included), or anything loaded from the net.
 site: setup
 	$(PY) tools/build_site.py --out _site
 

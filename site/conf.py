@@ -4,10 +4,17 @@ The sources are staged by tools/build_site.py into build/site/src (the committed
 are, README's opening sections as the landing page, benchmarks/RESULTS.md, the exercise stubs); this
 file only says how to render them. Nothing is executed and nothing is fetched: math is rendered by
 MathJax 3 copied from the sphinx-mathjax-offline wheel, the theme ships its own fonts and scripts.
+
+Two editions are built with this file: the English, and the Chinese (build_site.py runs it with
+`-D language=zh_CN`, so Sphinx's and the theme's own words are Chinese). site/_ext/editions.py
+gives every page its language switch (site/_templates/language-switch.html).
 """
 import importlib.util
 import pathlib
 import shutil
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "_ext"))   # editions.py
 
 project = "zerolab"
 author = "the zerolab authors"
@@ -18,6 +25,7 @@ extensions = [
     "myst_nb",               # .ipynb and .md (MyST) pages; outputs as committed
     "sphinx.ext.mathjax",
     "sphinx.ext.githubpages",  # writes .nojekyll, so GitHub Pages serves _static/
+    "editions",              # site/_ext/editions.py: the language switch, the Chinese edition's anchors
 ]
 root_doc = "index"
 exclude_patterns = ["**/.ipynb_checkpoints"]
@@ -43,6 +51,7 @@ html_theme = "sphinx_book_theme"
 html_title = "zerolab"
 html_favicon = "_static/favicon.svg"   # else the browser asks for /favicon.ico and logs a 404
 html_static_path = ["_static"]     # zerolab.css, the favicon
+templates_path = ["_templates"]    # language-switch.html
 html_css_files = ["zerolab.css"]
 html_context = {"default_mode": "light"}   # the figures have white backgrounds; the reader can switch
 html_last_updated_fmt = None
@@ -55,6 +64,8 @@ html_theme_options = {
     "use_download_button": False,
     "use_fullscreen_button": False,
     "navigation_with_keys": True,
+    # the language switch at the top of every page, before the theme's own buttons
+    "article_header_end": ["language-switch.html", "article-header-buttons.html"],
 }
 
 

@@ -6,6 +6,8 @@ violation and on a built notebook that differs from the English outside markdown
 tests prove each of those verdicts on a copy of the checkout (a temporary folder) where one thing
 was changed: one English sentence, one code cell, one glossary term, one cell id.
 """
+import copy
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -367,3 +369,36 @@ def test_a_lesson_without_a_translation_is_listed_not_failed(tmp_path):
     assert report.ok and report.untranslated_notebooks == [OTHER]
     assert f"not yet translated (not a failure" in i18n.format_report(report)
     assert OTHER in i18n.format_report(report).split("not yet translated", 1)[1]
+
+
+def test_every_chinese_lesson_is_the_same_slide_deck():
+    """The decks are RISE metadata on the cells (tools/slides.py derives it from the English headings
+    and inserts the presenter notes): a Chinese lesson carries every cell's metadata as it is, so it
+    is the same deck; and since the translation keeps each cell's headings, a slide that opens on a
+    heading in English opens on a heading of the same level in Chinese, and no Chinese cell has a
+    heading after text (which would start a slide with the section before's closing words)."""
+    slides = importlib.util.spec_from_file_location("slides", ROOT / "tools" / "slides.py")
+    slides_mod = importlib.util.module_from_spec(slides)
+    slides.loader.exec_module(slides_mod)
+    checked = 0
+    for path in i18n.english_notebooks():
+        catalog = i18n.po_path(path.stem)
+        if not catalog.is_file():
+            continue
+        english = i18n.read_notebook(path)
+        chinese = i18n.build_notebook(english, i18n.load_catalog(catalog), path.stem)
+        assert [c.get("metadata") for c in chinese["cells"]] == [c.get("metadata") for c in english["cells"]]
+        types = [c["metadata"].get("slideshow", {}).get("slide_type") for c in english["cells"]]
+        assert types.count("slide") >= 3, f"{path.name}: no deck to compare"
+        _, cuts = slides_mod.split_at_headings(copy.deepcopy(chinese["cells"]))
+        assert cuts == 0, f"{path.stem}: a Chinese cell has a heading after text ({cuts} cut(s) needed)"
+        for a, b in zip(english["cells"], chinese["cells"]):
+            if a["cell_type"] != "markdown":
+                continue
+            opens = [h[1] for h in slides_mod._scan(i18n.source(a)) if h[0] == 0]
+            assert opens == [h[1] for h in slides_mod._scan(i18n.source(b)) if h[0] == 0], (
+                f"{path.stem}#{a['id']}: opens with heading level {opens} in English, not in Chinese")
+            if "presenter-notes" in a["metadata"].get("tags", []):
+                assert b == a                                # the notes stay English
+        checked += 1
+    assert checked >= 10

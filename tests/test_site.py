@@ -1,11 +1,15 @@
 """`make site`: the course as a static website (tools/build_site.py, site/conf.py, tools/check_site.py).
 
-The real site is built once (about 10 s on 2 cores) with every proxy pointed at a closed port, so a
-build that reached for the network would fail. Small throw-away courses prove that the build fails on
-a broken link or a missing image, and the link checker is tested on hand-written pages. The built site
-is then read in headless Chromium (skipped without chromium, like tests/test_browser.py): pages load
-with no console error and nothing fetched from another host, every image of a lesson loads, math is
-typeset, and "next" leads to the next lesson.
+The real site, both editions (English, and Chinese under zh/), is built once (about 30 s of CPU time;
+from 28 s to 2 minutes measured on 2 cores shared with other jobs) with every proxy pointed at a
+closed port, so a build that reached for the network would fail. Every page of both editions carries
+a language switch that leads to the same page in the other edition (or to its landing page where
+there is none); a small course proves that a switch to a missing page fails the build. Small
+throw-away courses prove that the build fails on a broken link or a missing image, and the link
+checker is tested on hand-written pages. The built site is then read in headless Chromium (skipped
+without chromium, like tests/test_browser.py): pages load with no console error and nothing fetched
+from another host, every image of a lesson loads, math is typeset, "next" leads to the next lesson,
+the switch keeps the page and the section, and the Chinese search finds Chinese words.
 """
 import contextlib
 import functools
@@ -123,6 +127,110 @@ def test_the_calculator_widget_is_frozen_with_a_note(site):
     assert labels and all(label in page for label in labels), "the controls' values are not shown"
 
 
+# --- the Chinese edition and the language switch --------------------------------------------------
+
+def _pages(root):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*.html") if "_static" not in p.parts)
+
+
+SWITCH = re.compile(r'<nav class="zerolab-language-switch"[^>]*>(.*?)</nav>', re.S)
+
+
+def _switch(site, rel):
+    """(the label shown as current, {label: the page the link leads to, relative to the site}) of a page."""
+    found = SWITCH.findall(_html(site, rel))
+    assert len(found) == 1, f"{rel}: {len(found)} language switches"
+    current = re.findall(r"<strong[^>]*>([^<]+)</strong>", found[0])
+    links = {label: (site / rel).parent.joinpath(href).resolve().relative_to(site.resolve()).as_posix()
+             for href, label in re.findall(r'<a href="([^"#]+)"[^>]*>([^<]+)</a>', found[0])}
+    return current, links
+
+
+def test_the_chinese_edition_has_every_lesson_in_chinese_and_sphinx_speaks_chinese(site):
+    zh = site / "zh"
+    index = _html(site, "zh/index.html")
+    title = (REPO / "README.zh-CN.md").read_text(encoding="utf-8").splitlines()[0][2:]
+    assert '<html lang="zh-CN"' in index and title.split(" —— ")[-1] in index
+    assert '<html lang="en"' in _html(site, "index.html")
+    assert "上一页" in _html(site, "zh/notebooks/01_memory_anatomy.html")        # Sphinx's own words, in Chinese
+    assert "下一页" in _html(site, "zh/notebooks/01_memory_anatomy.html")
+    built = build_site.i18n
+    for nb in NOTEBOOKS:
+        page = zh / "notebooks" / f"{nb.stem}.html"
+        assert page.is_file(), f"no Chinese page for {nb.name}"
+        assert f'href="notebooks/{nb.stem}.html"' in index, f"the Chinese landing page does not link {nb.name}"
+        po = built.po_path(nb.stem)
+        if po.is_file():      # the lesson's title, as translated
+            english = built.read_notebook(nb)
+            first = built.build_notebook(english, built.load_catalog(po), nb.stem)["cells"][0]
+            heading = built.source(first).splitlines()[0].lstrip("# ").split("——")[0].strip()
+            assert heading in page.read_text(encoding="utf-8"), f"{nb.name}: {heading!r} is not on its Chinese page"
+    assert "第 00 课" in _html(site, "zh/notebooks/00_collectives.html")
+    assert "Presenter notes" not in _html(site, "zh/notebooks/03_zero1.html")
+    exercises = _html(site, "zh/exercises.html")
+    for ex in sorted((REPO / "exercises").glob("ex[0-9][0-9]_*.py")):
+        assert ex.name in exercises
+    for guide in sorted((REPO / "presenter").glob("*.md")):
+        assert (zh / "presenter" / f"{guide.stem}.html").is_file(), f"no Chinese-site page for presenter/{guide.name}"
+    assert (zh / "benchmarks" / "RESULTS.html").is_file() and 'href="exercises.html"' in index
+    assert 'href="../reference.html"' in index, "the Chinese landing page leads to the English reference"
+    assert "交互控件的静态快照" in _html(site, "zh/notebooks/01_memory_anatomy.html")  # the frozen calculator
+
+
+def test_every_page_of_both_editions_switches_to_the_same_page_in_the_other(site):
+    """English / 中文 on every page, the current one in bold, the other a link to this same page
+    in the other edition, or to its landing page where there is no such page."""
+    english, chinese = _pages(site), _pages(site / "zh")
+    english = [p for p in english if not p.startswith("zh/")]
+    assert len(english) > 30 and len(chinese) > 30
+    fallbacks = []
+    for rel in english:
+        current, links = _switch(site, rel)
+        assert current == ["English"], rel
+        expected = f"zh/{rel}" if rel in chinese else "zh/index.html"
+        assert links == {"中文": expected}, f"{rel}: {links}"
+        assert (site / expected).is_file()
+        if rel not in chinese:
+            fallbacks.append(rel)
+    for rel in chinese:
+        current, links = _switch(site, f"zh/{rel}")
+        assert current == ["中文"], rel
+        expected = rel if rel in english else "index.html"
+        assert links == {"English": expected}, f"zh/{rel}: {links}"
+    assert set(fallbacks) >= {"reference.html", "CHANGELOG.html", "AGENTS.html"}, fallbacks
+    for nb in NOTEBOOKS:                              # every lesson has its counterpart
+        assert f"notebooks/{nb.stem}.html" not in fallbacks
+
+
+def _search_terms(root):
+    text = (root / "searchindex.js").read_text(encoding="utf-8")
+    index = json.loads(text[text.index("(") + 1:text.rindex(")")])
+    return set(index["terms"])
+
+
+def test_the_chinese_search_index_holds_chinese_words(site):
+    """Sphinx's Chinese search cuts the text into words with jieba: without it the index would hold
+    only the Latin words, and a search for 分片 would find nothing."""
+    terms = _search_terms(site / "zh")
+    assert {"分片", "并行", "梯度", "显存"} <= terms, sorted(t for t in terms if not t.isascii())[:20]
+    assert "all" in terms or "gather" in terms                  # the Latin words too
+
+
+def test_a_translated_lesson_keeps_the_english_anchors(site):
+    """The translations keep their links' English targets (#a-process-group, 05_zero3.ipynb#...):
+    the Chinese headings carry the English anchors, so those links work and the switch keeps the
+    reader's section."""
+    for nb in NOTEBOOKS:
+        english = _html(site, f"notebooks/{nb.stem}.html")
+        chinese = _html(site, f"zh/notebooks/{nb.stem}.html")
+        toc = english.split('id="pst-page-navigation-heading', 1)[-1]
+        anchors = sorted(set(re.findall(r'class="reference internal nav-link" href="#([^"]+)"', toc)))
+        assert anchors, f"{nb.name}: no table of contents"
+        missing = [a for a in anchors if f'id="{a}"' not in chinese]
+        assert not missing, f"{nb.name}: the Chinese page has no anchor {missing[:5]}"
+    assert 'onclick="this.hash = location.hash"' in _html(site, "notebooks/00_collectives.html")
+
+
 # --- the build fails on broken content: small courses built from scratch ------------------------
 
 TINY_README = """# Tiny course
@@ -182,6 +290,47 @@ def test_the_build_fails_on_a_broken_link_or_a_missing_image(tmp_path):
     assert "missing.png" in message                       # Sphinx: an image that is not there
     assert "gone.png'> is missing" in message             # check_site: raw HTML Sphinx never looks at
     assert not (tmp_path / "out2").exists(), "a failed build must not leave a site behind"
+
+
+TINY_README_ZH = """# 小课程
+
+[English](README.md) · 中文
+
+## 课程
+
+| # | 课程 | 内容 |
+|---|---|---|
+| 00 | 小 | 无 |
+"""
+
+
+def test_a_switch_to_a_missing_page_fails_the_build(tmp_path):
+    """A small course with a Chinese edition builds (the control: its lesson's switch leads to the
+    lesson in the other language, its Reference page's to the Chinese landing page). A switch that
+    leads to a page the other edition lacks (its page list wrong: here the Chinese edition claims a
+    Reference page) fails the build, naming the page and the link; and the link check finds a
+    switch whose target page is gone."""
+    course = _tiny_course(tmp_path / "zh-course", GOOD)
+    (course / "README.zh-CN.md").write_text(TINY_README_ZH, encoding="utf-8")
+    readme = (course / "README.md").read_text()        # README's own link to the Chinese README
+    (course / "README.md").write_text(readme.replace("What it is.", "What it is. [中文](README.zh-CN.md)"))
+    out = build_site.build(tmp_path / "out", repo=course, work=tmp_path / "work", jobs="1")
+    assert '<a href="zh/index.html">中文</a>' in _html(out, "index.html")
+    assert '<a href="../index.html">English</a> · 中文' in _html(out, "zh/index.html")
+    assert _switch(out, "notebooks/00_tiny.html")[1] == {"中文": "zh/notebooks/00_tiny.html"}
+    assert _switch(out, "zh/notebooks/00_tiny.html")[1] == {"English": "notebooks/00_tiny.html"}
+    assert _switch(out, "reference.html")[1] == {"中文": "zh/index.html"}
+    assert check_site.check(out) == []
+    (out / "zh" / "notebooks" / "00_tiny.html").unlink()
+    problems = check_site.check(out)
+    assert "notebooks/00_tiny.html: <a href='../zh/notebooks/00_tiny.html'> is missing" in problems, problems
+
+    real = build_site.pages
+    with mock.patch.object(build_site, "pages", lambda staged: sorted(set(real(staged)) | {"reference"})), \
+            pytest.raises(build_site.SiteError) as failure:
+        build_site.build(tmp_path / "out2", repo=course, work=tmp_path / "work2", jobs="1")
+    assert "reference.html: <a href='zh/reference.html'> is missing" in str(failure.value)
+    assert not (tmp_path / "out2").exists()
 
 
 def test_check_site_finds_broken_links_anchors_and_network_loads(tmp_path):
@@ -278,6 +427,51 @@ def test_the_site_in_a_browser_landing_lesson_images_math_and_next(site, request
             page.wait_for_timeout(500)
             assert not errors, "\n".join(errors)
             assert not elsewhere, f"the site fetched from other hosts: {elsewhere}"
+        except Exception:
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=False)
+            raise
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine")
+def test_the_language_switch_and_the_chinese_search_in_a_browser(site, request):
+    """On lesson 00 at a section, 中文 leads to the Chinese lesson 00 at the same section, English
+    back; on the Reference page (English only) 中文 leads to the Chinese landing page; the Chinese
+    search finds the lessons that speak of 分片 (sharding)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with _serve(site) as base, sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors = []
+        page.on("pageerror", lambda e: errors.append(f"{page.url}: {e}"))
+        # a request cut short because the test moved on to the next page (ERR_ABORTED) is no error
+        page.on("requestfailed", lambda r: None if "ERR_ABORTED" in (r.failure or "") else
+                errors.append(f"{page.url}: failed {r.url}: {r.failure}"))
+        try:
+            page.goto(f"{base}/notebooks/00_collectives.html#a-process-group", wait_until="load")
+            page.locator(".zerolab-language-switch a", has_text="中文").click()
+            page.wait_for_url("**/zh/notebooks/00_collectives.html#a-process-group")
+            assert "第 00 课" in page.locator("h1").first.inner_text()
+            assert page.evaluate("() => document.getElementById('a-process-group') !== null")
+            assert page.evaluate("() => document.documentElement.lang") == "zh-CN"
+            page.locator(".zerolab-language-switch a", has_text="English").click()
+            page.wait_for_url("**/notebooks/00_collectives.html#a-process-group")
+            assert "/zh/" not in page.url and "Lesson 00" in page.locator("h1").first.inner_text()
+
+            page.goto(f"{base}/reference.html", wait_until="load")
+            page.locator(".zerolab-language-switch a", has_text="中文").click()
+            page.wait_for_url("**/zh/index.html")
+
+            page.goto(f"{base}/zh/search.html?q=分片", wait_until="load")
+            page.wait_for_selector("#search-results li", timeout=30_000)
+            found = page.locator("#search-results li a").all_inner_texts()
+            assert any("ZeRO" in t or "课" in t for t in found), found
+            assert not errors, "\n".join(errors)
         except Exception:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=False)

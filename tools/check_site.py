@@ -68,7 +68,7 @@ def check(root):
 
     for html_file in sorted(root.rglob("*.html")):
         rel_page = html_file.relative_to(root)
-        if rel_page.parts[0] == "_static":       # theme assets (template snippets), not pages
+        if "_static" in rel_page.parts[:-1]:     # theme assets (template snippets), not pages (zh/_static too)
             continue
         for tag, attr, url, loaded in page(html_file).urls:
             where = f"{rel_page}: <{tag} {attr}={url!r}>"
