@@ -81,10 +81,11 @@ def largest_model(world_size, stage, device_memory, *, offload=False, reserved_b
     does not count.
 
     The model is a GPT of lesson 07b's family: Ψ = 12·L·h² for L layers of width h, with L = h/128.
-    Its activations are 16-bit with a fused attention kernel and no dropout: 32·h bytes per token
-    per layer (Korthikanti et al., arXiv 2205.05198, Sec. 4.1, leaving out the kernel's small fp32
-    statistics), held for backward, where ZeRO-DP and ZeRO-Offload hold them. Which bytes grow
-    with Ψ, how, and what the largest Ψ then is, are yours to work out.
+    Its activations are 16-bit with a fused attention kernel, no dropout and no recomputation:
+    32·h bytes per token per layer (Korthikanti et al., arXiv 2205.05198, Sec. 4.1, less the dropout
+    masks and the attention scores a fused kernel does not keep, and leaving out its small fp32
+    statistics), held for backward where ZeRO-DP and ZeRO-Offload hold them. Which bytes grow with
+    Ψ, how, and what the largest Ψ then is, are yours to work out.
 
     Graded against the papers' numbers with ``tokens=0`` (7.6B, 14.4B and 128B on 64 V100s of 32 GB,
     a trillion on 1024, ZeRO-Offload's 13B on one), cases by hand (offload at every stage and N),
