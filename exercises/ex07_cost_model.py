@@ -5,7 +5,8 @@ Lesson 07 takes the stages from 2-4 ranks on a laptop to 64-4096 GPUs with a cos
 not max(compute, communication): what a collective can hide under depends on the system, on when it
 launches each collective and when it waits for it. Here nobody tells you those rules: you read them
 off measured steps of a system (07.1), build a model on them and predict the same system at another
-scale (07.2). 07.3 derives the ZeRO papers' headline numbers.
+scale (07.2). 07.3 derives the largest model that fits: the ZeRO papers' headline numbers, and
+what one micro-batch's activations make of them.
 
 A timeline is one rank's measured step, as plain data::
 
@@ -71,15 +72,25 @@ def step_time(timeline, num_params, world_size, *, tokens_per_rank, peak_flops, 
         "Exercise 07.2: the measured schedule, at the new scale, on the ideal machine.")
 
 
-def largest_model(world_size, stage, device_memory, *, offload=False, reserved_bytes=0.0):
-    """The largest Ψ whose per-rank model states fit on the device in ``device_memory -
-    reserved_bytes`` bytes; 0 when nothing fits. Model states as the ZeRO paper counts them for
-    mixed-precision Adam and partitions them per stage (arXiv 1910.02054 Secs. 3.1 and 5; lesson 01).
-    ``offload=True`` (stages 1-3): ZeRO-Offload's placement (arXiv 2101.06840, lesson 06); what
-    lives on the host does not count.
+def largest_model(world_size, stage, device_memory, *, offload=False, reserved_bytes=0.0, tokens=0):
+    """The largest Ψ whose per-rank model states, and the activations of one micro-batch of
+    ``tokens`` tokens on each rank, fit on the device in ``device_memory - reserved_bytes`` bytes;
+    0 when nothing fits. Model states as the ZeRO paper counts them for mixed-precision Adam and
+    partitions them per stage (arXiv 1910.02054 Secs. 3.1 and 5; lesson 01). ``offload=True``
+    (stages 1-3): ZeRO-Offload's placement (arXiv 2101.06840, lesson 06); what lives on the host
+    does not count.
 
-    Derive it; graded against the papers' numbers (7.6B, 14.4B and 128B on 64 V100s of 32 GB, a
-    trillion on 1024, ZeRO-Offload's 13B on one) and cases by hand, offload at every stage and N.
-    An unknown stage, offload at stage 0, negative bytes: a ValueError naming it."""
+    The model is a GPT of lesson 07b's family: Ψ = 12·L·h² for L layers of width h, with L = h/128.
+    Its activations are 16-bit with a fused attention kernel, no dropout and no recomputation:
+    32·h bytes per token per layer (Korthikanti et al., arXiv 2205.05198, Sec. 4.1, less the dropout
+    masks and the attention scores a fused kernel does not keep, and leaving out its small fp32
+    statistics), held for backward where ZeRO-DP and ZeRO-Offload hold them. Which bytes grow with
+    Ψ, how, and what the largest Ψ then is, are yours to work out.
+
+    Graded against the papers' numbers with ``tokens=0`` (7.6B, 14.4B and 128B on 64 V100s of 32 GB,
+    a trillion on 1024, ZeRO-Offload's 13B on one), cases by hand (offload at every stage and N),
+    and, with activations, against the largest Ψ computed here to a relative 1e-6, at every stage,
+    with and without offload, from one GPU to 1024. An unknown stage, offload at stage 0, negative
+    bytes or tokens: a ValueError naming it."""
     raise NotImplementedError(
-        "Exercise 07.3: the largest model whose model states fit, derived.")
+        "Exercise 07.3: the largest model whose model states and one micro-batch's activations fit.")

@@ -55,13 +55,15 @@ def step_time(timeline, num_params, world_size, *, tokens_per_rank, peak_flops, 
     return sum(max(compute[p], hidden[p]) for p in PHASES) + exposed
 
 
-def largest_model(world_size, stage, device_memory, *, offload=False, reserved_bytes=0.0):
+def largest_model(world_size, stage, device_memory, *, offload=False, reserved_bytes=0.0, tokens=0):
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage!r}: choose 0, 1, 2 or 3")
     if offload and stage == 0:
         raise ValueError("offload=True needs a partitioned optimizer: stage 1, 2 or 3 (ZeRO-Offload)")
     if device_memory < 0 or reserved_bytes < 0:
         raise ValueError(f"device_memory={device_memory!r}, reserved_bytes={reserved_bytes!r}: bytes are >= 0")
+    if tokens < 0:
+        raise ValueError(f"tokens={tokens!r}: a micro-batch holds >= 0 tokens")
     n = world_size
     if offload:
         # ZeRO-Offload: the gradient shard and the optimizer states live on the host; the device keeps
@@ -70,4 +72,23 @@ def largest_model(world_size, stage, device_memory, *, offload=False, reserved_b
         per = {1: 2 + 2, 2: 2, 3: 2 / n}[stage]
     else:   # ZeRO Sec. 5: (2 + 2 + 12) bytes, partitioned from the stage on (P_os, P_os+g, P_os+g+p)
         per = {0: 2 + 2 + 12, 1: 2 + 2 + 12 / n, 2: 2 + (2 + 12) / n, 3: (2 + 2 + 12) / n}[stage]
-    return max(0.0, (device_memory - reserved_bytes) / per)      # a reserve beyond the memory: nothing fits
+    budget = device_memory - reserved_bytes
+    if budget <= 0:
+        return 0.0                                                   # a reserve beyond the memory: nothing fits
+
+    def activations(psi):
+        # Every rank holds its own micro-batch's activations in full, at every stage and with offload
+        # (stages 1-3 partition model states only; ZeRO-Offload keeps activations on the device): all
+        # L layers at the end of forward, 32·h bytes per token per layer, L = h/128, Ψ = 12·L·h².
+        hidden = (128 * psi / 12) ** (1 / 3)
+        return tokens * (hidden / 128) * 32 * hidden
+
+    # per·Ψ + activations(Ψ) grows with Ψ but not linearly (activations ~ Ψ^(2/3)): bisect.
+    lo, hi = 0.0, budget / per
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if per * mid + activations(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo

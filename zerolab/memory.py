@@ -343,8 +343,8 @@ def model_state_placement(num_params, world_size, stage, *, mixed_precision=True
     """Per-rank model-state bytes split by where they live:
     {"device": {"params", "grads", "optimizer"}, "host": {"params", "grads", "optimizer"}}.
 
-    ZeRO (Rajbhandari et al. 2020, Sec. 5.1), Ψ = ``num_params``, N = ``world_size``, K =
-    optimizer bytes/param (12 for mixed-precision Adam, 8 for fp32 Adam, or ``k``):
+    ZeRO (Rajbhandari et al. 2020, Sec. 5.1 and Fig. 1), Ψ = ``num_params``, N = ``world_size``,
+    K = optimizer bytes/param (12 for mixed-precision Adam, or ``k``), mixed precision:
 
     ======================  ===========  ===========  ==========  ====================
     stage                   params       grads        optimizer   total
@@ -355,18 +355,13 @@ def model_state_placement(num_params, world_size, stage, *, mixed_precision=True
     3 (P_os+g+p)            2Ψ/N         2Ψ/N         KΨ/N        (4 + K)Ψ/N
     ======================  ===========  ===========  ==========  ====================
 
-    (2 bytes per param/grad element in mixed precision; 4 in fp32.)
+    ``mixed_precision=False``: the same Adam in fp32 throughout (lesson 01, section 3).
 
-    ``offload=True`` (ZeRO-Offload, Ren et al. 2021, Sec. 4): what this rank OWNS moves to the
-    host: its gradient shard, and the optimizer state (fp32 master + moments, KΨ/N) with the
-    update itself. The device keeps the compute-precision parameters (full in stages 1-2, the
-    shard in stage 3) and runs forward/backward: device model states 2Ψ for stage 2, as in the
-    paper. Stage 1 does not partition gradients, so it still holds the full 2Ψ gradient on the
-    device until the step's reduce-scatter. In fp32 training there is no master copy on the
-    device side to reuse, so the host keeps its own fp32 copy of the parameter shard to update
-    (4Ψ/N, counted as host optimizer state). Offload needs a sharded optimizer: stage >= 1.
-    Transient buffers (gradient buckets, gathered ZeRO-3 layers) are not model states and are
-    not counted, as in the paper.
+    ``offload=True`` (ZeRO-Offload, Ren et al. 2021, Sec. 4): the placement zerolab's offload
+    engines realise (``zerolab.offload``): each rank's share of the model states split between
+    its device and host memory, as lesson 06 (section 4) measures it stage by stage. Offload needs
+    a sharded optimizer: stage >= 1. Transient buffers (gradient buckets, gathered ZeRO-3 layers)
+    are not model states and are not counted, as in the paper.
 
     Exactness: with ``padded=False`` these are the paper's ideal numbers, exact per rank when N
     divides Ψ (returned as ints), fractional otherwise (floats). Real engines pad each flat buffer
@@ -421,7 +416,7 @@ def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, of
 
     DP (stage 0) (2+2+K)Ψ; stage 1 4Ψ + KΨ/N; stage 2 2Ψ + (2+K)Ψ/N; stage 3 (4+K)Ψ/N, with K = 12
     for mixed-precision Adam (fp32 master + momentum + variance) and 2-byte params and grads;
-    ``mixed_precision=False`` is fp32 Adam: 4-byte params and grads, K = 8, also 16Ψ for DP.
+    ``mixed_precision=False`` is the same Adam in fp32 throughout.
     The paper's example, Ψ = 7.5e9 on N = 64: 120, 31.4, 16.6 and 1.88 GB (GB = 1e9 bytes).
     See :func:`model_state_placement` for offload, exactness and padding.
     """

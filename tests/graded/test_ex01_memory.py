@@ -356,7 +356,7 @@ def test_offload_moves_the_owned_states_to_the_host(student):
 
 @pytest.mark.points(2)
 def test_offload_in_fp32(student):
-    """derived: offload in fp32, where no master copy exists for the host to update"""
+    """derived: offload in fp32: device and host, kind by kind, at every stage"""
     cases = _offload_cases(False)
     for (what, args, _), got in zip(cases, _rows(student, cases)):
         _expect(got, zero_bytes(*args, mixed=False, offload=True), what)

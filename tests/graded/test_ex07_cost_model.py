@@ -15,7 +15,8 @@ compute lasting its FLOPs, collectives their ring time, one at a time on one lin
 its segment of the step starts): the model, at the run's own Ψ, N and hardware, must give the step's
 length, and placement the phase each collective was built beside. The largest model is checked
 against the ZeRO papers' headline numbers (arXiv 1910.02054, arXiv 2101.06840) and cases by hand
-(a reserve larger than the memory fits nothing)."""
+(a reserve larger than the memory fits nothing), and with one micro-batch's activations beside the
+model states against the largest Ψ solved here by bisection (activations grow as Ψ^(2/3))."""
 import pytest
 
 from zerolab.grade.helpers import exercise_module
@@ -346,3 +347,50 @@ def test_largest_model_zero_offload(student):
         assert got[what] == 0, f"largest_model with {what}: {got[what]!r}; nothing fits: 0"
     for what in bad:
         _refused(results[what], f"largest_model with {what}")
+
+
+def _largest_with_activations(n, stage, memory, offload, tokens, reserve=0.0):
+    """By hand: ZeRO's bytes per parameter on the device (with ZeRO-Offload, what stays there: the
+    2-byte parameters, their 1/N shard at stage 3, and stage 1's full 2-byte gradients, reduced only
+    after backward), plus one micro-batch's activations, never partitioned nor offloaded: L·32·h bytes
+    per token, with Ψ = 12·L·h² and L = h/128, i.e. tokens·h²/4 with h³ = 32Ψ/3. In x = Ψ^(1/3) the
+    bytes are per·x³ + tokens·(32/3)^(2/3)/4·x², increasing: the largest x by bisection, in float64."""
+    per = ({1: 4.0, 2: 2.0, 3: 2.0 / n} if offload else
+           {0: 16.0, 1: 4.0 + 12.0 / n, 2: 2.0 + 14.0 / n, 3: 16.0 / n})[stage]
+    budget = memory - reserve
+    if budget <= 0:
+        return 0.0
+    a = tokens * (32.0 / 3.0) ** (2.0 / 3.0) / 4.0
+    lo, hi = 0.0, (budget / per) ** (1.0 / 3.0) * 1.01
+    for _ in range(300):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if per * mid ** 3 + a * mid ** 2 <= budget else (lo, mid)
+    return lo ** 3
+
+
+@pytest.mark.points(3)
+def test_largest_model_with_activations(student):
+    """derived: one micro-batch's activations beside the model states, at every stage, with and without offload"""
+    cases = {f"N={n}, stage {stage}{' + offload' if off else ''}, {tokens:,} tokens, {mem / 1e9:g} GB"
+             + (f", reserve {res / 1e9:g} GB" if res else ""): (n, stage, mem, off, tokens, res)
+             for n, stage, mem, off, tokens, res in [
+                 (64, s, 32e9, False, 2048, 0.0) for s in (0, 1, 2, 3)] + [
+                 (64, s, 32e9, True, 2048, 0.0) for s in (1, 2, 3)] + [
+                 (1024, 3, 32e9, False, 2048, 0.0), (1024, 3, 32e9, False, 16384, 0.0),
+                 (1, 2, 32e9, True, 4096, 2e9), (1, 0, 80e9, False, 1, 0.0), (8, 3, 80e9, True, 8192, 0.0),
+                 (4, 1, 80e9, True, 8192, 0.0), (3, 2, 40e9, False, 512, 1e9), (8, 3, 32e9, False, 4096, 40e9)]}
+    calls = [((n, stage, mem), dict(offload=off, tokens=tokens, reserved_bytes=res))
+             for n, stage, mem, off, tokens, res in cases.values()]
+    bad = {"negative tokens": ((8, 3, 32e9), dict(tokens=-1))}
+    results = student.run(_results, "largest_model", calls + list(bad.values()))
+    for (what, args), result in zip(cases.items(), results):
+        want = _largest_with_activations(*args)
+        got = _value(result, f"largest_model: {what}")
+        if want == 0:
+            assert got == 0, f"largest_model: {what}: {got!r}; nothing fits: 0"
+        else:
+            _close(got, want, f"largest_model: {what}", rel=1e-6)
+    # What the headline leaves out: with one 2,048-token sequence per GPU, a trillion no longer fits on 1024.
+    assert _largest_with_activations(1024, 3, 32e9, False, 2048) < 1e12
+    for what, result in zip(bad, results[len(calls):]):
+        _refused(result, f"largest_model with {what}")
