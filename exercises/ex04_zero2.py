@@ -80,4 +80,4 @@ def reduce_calls(bucket_numels, world_size):
     sum is the unpadded total): the number of (bucket, owner) pairs. Derive it, then count the calls
     your 04.1 makes in the lesson and explain the difference from one reduce-scatter per bucket."""
     raise NotImplementedError(
-        "Exercise 04.2: count, for each bucket, the ranks whose partition it overlaps.")
+        "Exercise 04.2: reduce_calls is not written yet.")
