@@ -55,7 +55,7 @@ def bytes_read(load, checkpoint):
       read, and how much of each?
 
     Graded on 2 ranks, each number against the grader's own measurement in ranks of its own that
-    never run your code, within 1% (and a few kB): ``"read"`` against the same load; ``"checkpoint"``
+    never run your code, within 2 kB: ``"read"`` against the same load; ``"checkpoint"``
     against a load of the checkpoint alone. No size worked out from files (the whole checkpoint, a
     rank's share, what one reader or one thread handles) reaches ``"read"``. Then compare both with
     the share of the training state the rank keeps, and say where the difference goes (lesson 09,

@@ -3,6 +3,7 @@ them, pads and cuts out its shard. Right values; but it builds the whole model t
 and it refuses a checkpoint whose missing pieces this rank does not even need.
 
 Caught by: test_load_shard_refuses_what_does_not_fit_and_ignores_what_it_does_not_need."""
+import json
 import pathlib
 
 import torch
@@ -40,7 +41,10 @@ def bytes_read(load, checkpoint):
     before = rchar()
     load()
     read = rchar() - before
-    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
-    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    # zerolab.checkpoint.load reads the metadata and EVERY file it lists, whole (not a file the folder
+    # holds beside them): each rank reads the whole checkpoint and keeps 1/N of it; PyTorch's DCP
+    # reads only the ranges that overlap
     folder = pathlib.Path(checkpoint)
-    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}
+    meta = folder / "metadata.json"
+    listed = json.loads(meta.read_text())["files"]
+    return {"read": read, "checkpoint": meta.stat().st_size + sum(info["bytes"] for info in listed)}

@@ -4,6 +4,7 @@ pieces of one save read in rank order, but files come in any order, and a shuffl
 checkpoint is refused.
 
 Caught by: test_assemble_puts_pieces_together_and_refuses_gaps_and_overlaps."""
+import json
 import pathlib
 
 import torch
@@ -62,7 +63,10 @@ def bytes_read(load, checkpoint):
     before = rchar()
     load()
     read = rchar() - before
-    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
-    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    # zerolab.checkpoint.load reads the metadata and EVERY file it lists, whole (not a file the folder
+    # holds beside them): each rank reads the whole checkpoint and keeps 1/N of it; PyTorch's DCP
+    # reads only the ranges that overlap
     folder = pathlib.Path(checkpoint)
-    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}
+    meta = folder / "metadata.json"
+    listed = json.loads(meta.read_text())["files"]
+    return {"read": read, "checkpoint": meta.stat().st_size + sum(info["bytes"] for info in listed)}

@@ -3,6 +3,7 @@ its pieces copied in) and checks only the part it owns. Right values and validat
 that needs 75,000 elements of a 300,000-element parameter allocates all of it.
 
 Caught by: test_load_shard_memory."""
+import json
 import pathlib
 
 import torch
@@ -56,7 +57,10 @@ def bytes_read(load, checkpoint):
     before = rchar()
     load()
     read = rchar() - before
-    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
-    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    # zerolab.checkpoint.load reads the metadata and EVERY file it lists, whole (not a file the folder
+    # holds beside them): each rank reads the whole checkpoint and keeps 1/N of it; PyTorch's DCP
+    # reads only the ranges that overlap
     folder = pathlib.Path(checkpoint)
-    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}
+    meta = folder / "metadata.json"
+    listed = json.loads(meta.read_text())["files"]
+    return {"read": read, "checkpoint": meta.stat().st_size + sum(info["bytes"] for info in listed)}

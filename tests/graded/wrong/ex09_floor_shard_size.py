@@ -3,6 +3,7 @@ whenever the world size divides the model, but then the last elements belong to 
 shard starts in the wrong place), where the padded flat buffer rounds up and pads with zeros.
 
 Caught by: test_load_shard_reshards_m_ranks_into_n."""
+import json
 import pathlib
 
 import torch
@@ -65,7 +66,10 @@ def bytes_read(load, checkpoint):
     before = rchar()
     load()
     read = rchar() - before
-    # zerolab.checkpoint.load reads EVERY rank's file whole (and the metadata): each rank reads the
-    # whole checkpoint and keeps 1/N of it; PyTorch's DCP reads only the ranges that overlap
+    # zerolab.checkpoint.load reads the metadata and EVERY file it lists, whole (not a file the folder
+    # holds beside them): each rank reads the whole checkpoint and keeps 1/N of it; PyTorch's DCP
+    # reads only the ranges that overlap
     folder = pathlib.Path(checkpoint)
-    return {"read": read, "checkpoint": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}
+    meta = folder / "metadata.json"
+    listed = json.loads(meta.read_text())["files"]
+    return {"read": read, "checkpoint": meta.stat().st_size + sum(info["bytes"] for info in listed)}
