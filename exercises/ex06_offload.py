@@ -70,9 +70,7 @@ class DelayedOffloadAdam:
         self.optimizer, self.fused = host_optimizer([self.master], torch.optim.AdamW, lr=lr)  # host: 8Ψ/N
 
     def step(self):
-        raise NotImplementedError(
-            "Exercise 06.1: this step's gradients to the host, the previous update to the device, and "
-            "this step's update started in the background (see the class docstring's contract).")
+        raise NotImplementedError("Exercise 06.1: step is not written yet (the class docstring states its contract).")
 
     def flush(self):
         raise NotImplementedError("Exercise 06.1: finish the running update and publish it.")
@@ -83,7 +81,7 @@ class DelayedOffloadAdam:
 
 def host_bytes_per_element(param_dtype):
     """The bytes of model states this rank keeps on the HOST per parameter element it owns (Ψ/N,
-    padding included), in zerolab's stage 2 with ``offload="optimizer"`` (default buckets) training
+    padding included; every buffer the host keeps for the update counts, a workspace too), in zerolab's stage 2 with ``offload="optimizer"`` (default buckets) training
     TinyGPT (``models.build("gpt")``) in ``param_dtype`` on the current ranks, after its first step.
 
     Measure it; graded against the grader's own measurement for float32 and bfloat16. Then

@@ -75,7 +75,8 @@ def step_time(timeline, num_params, world_size, *, tokens_per_rank, peak_flops, 
 def largest_model(world_size, stage, device_memory, *, offload=False, reserved_bytes=0.0, tokens=0):
     """The largest Ψ whose per-rank model states, and the activations of one micro-batch of
     ``tokens`` tokens on each rank, fit on the device in ``device_memory - reserved_bytes`` bytes;
-    0 when nothing fits. Model states as the ZeRO paper counts them for mixed-precision Adam and
+    0 when nothing fits. Ψ is a real number, as in the papers' accounting: never rounded to whole
+    parameters or padded to a multiple of N. Model states as the ZeRO paper counts them for mixed-precision Adam and
     partitions them per stage (arXiv 1910.02054 Secs. 3.1 and 5; lesson 01). ``offload=True``
     (stages 1-3): ZeRO-Offload's placement (arXiv 2101.06840, lesson 06); what lives on the host
     does not count.

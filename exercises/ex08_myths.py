@@ -24,7 +24,8 @@ def sharded_server_average(tensor, servers, group=None):
     * what the servers own: each server is responsible for a part of the tensor's elements (it forms
       their average, and every other rank gets that average from it), the K parts as even as they
       can be (their sizes differ by at most one element);
-    * who talks to whom: a rank that is not a server exchanges messages with servers only;
+    * who talks to whom: a rank that is not a server exchanges messages with servers only, and
+      every message carries elements of one server's part, with that server at one end of it;
     * how much: the least traffic such a scheme allows; graded message by message, as the bytes
       each rank sends to each other rank (so a value sent twice, or to a rank that is neither
       responsible for it nor needs it, fails);

@@ -323,6 +323,8 @@ def test_largest_model_zero_offload(student):
         "without offload, the same reserve": ((1, 0, 32e9), dict(reserved_bytes=32e9 - 2 * 13e9)),
         "stage 1 + offload, N = 4": ((4, 1, 32e9), dict(offload=True)),
         "stage 3 + offload, N = 4": ((4, 3, 32e9), dict(offload=True)),
+        "a few parameters per rank: stage 3, N = 64, 100 bytes": ((64, 3, 100.0), {}),
+        "a fraction of a parameter: stage 1, N = 7, 100 bytes": ((7, 1, 100.0), {}),
         "a reserve larger than the memory": ((8, 3, 32e9), dict(reserved_bytes=40e9)),
         "a reserve larger than the memory, with offload": ((8, 2, 32e9), dict(offload=True, reserved_bytes=33e9)),
     }
@@ -343,6 +345,12 @@ def test_largest_model_zero_offload(student):
     assert without == pytest.approx(1.4e9, rel=0.2), f"without offload {without / 1e9:.2f}B; the paper: ~1.4B"
     _close(got["stage 1 + offload, N = 4"], 32e9 / 4, "stage 1 + offload keeps 2Ψ params + 2Ψ grads")
     _close(got["stage 3 + offload, N = 4"], 32e9 / (2 / 4), "stage 3 + offload keeps 2Ψ/N")
+    # Ψ is a real number: 16Ψ/64 = 100 bytes at Ψ = 400 (not 384, a multiple of N); 4Ψ + 12Ψ/7 = 100
+    # at Ψ = 17.5 (not 17, nor 14)
+    _close(got["a few parameters per rank: stage 3, N = 64, 100 bytes"], 400.0,
+           "stage 3, N = 64, 100 bytes: 16 bytes per parameter over 64 ranks (no padding, no rounding)")
+    _close(got["a fraction of a parameter: stage 1, N = 7, 100 bytes"], 17.5,
+           "stage 1, N = 7, 100 bytes: (4 + 12/7) bytes per parameter (no padding, no rounding)")
     for what in ("a reserve larger than the memory", "a reserve larger than the memory, with offload"):
         assert got[what] == 0, f"largest_model with {what}: {got[what]!r}; nothing fits: 0"
     for what in bad:
