@@ -6,7 +6,8 @@ after the step does not see. Here you build the instrument that catches it; how 
 
 01.1 ``peak_model_states``: the peak, by kind and in all, measured while a step runs.
 01.2 ``model_state_bytes``: one rank's bytes of each kind, on the device and on the host, at any ZeRO
-     stage, with or without offload: the accounting derived from its sources, not given.
+     stage, with or without offload, for a model given by its parameter shapes and one of three
+     optimizers: the accounting derived from its sources and your measurements, not given.
 
 Grade your work:  ``make grade`` or, in lesson 01, ``zerolab.grade.check("01")``.
 """
@@ -45,32 +46,40 @@ def peak_model_states(model, optimizer, run_step):
         "Exercise 01.1: measure the peak of each kind, and of their sum, while run_step() runs.")
 
 
-def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, offload=False):
-    """The model-state bytes that ONE rank holds when ``num_params`` (Ψ) parameters train with Adam
-    on ``world_size`` (N) data-parallel ranks at ZeRO ``stage`` 0 (plain data parallelism), 1, 2 or
-    3 (P_os, P_os+g, P_os+g+p), with or without ZeRO-Offload. Returns
+def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_precision=True, offload=False):
+    """The model-state bytes that ONE rank holds when a model whose parameters have the given
+    ``shapes`` (a list of shapes, e.g. ``[[256, 64], [64]]``) trains with ``optimizer`` on
+    ``world_size`` (N) data-parallel ranks at ZeRO ``stage`` 0 (plain data parallelism), 1, 2 or 3
+    (P_os, P_os+g, P_os+g+p), with or without ZeRO-Offload. Returns
     ``{"params", "grads", "optimizer", "total", "host"}``: the bytes of each kind on the rank's
     device, their sum, and the bytes of model states in the rank's host memory (all kinds together).
 
     The setting, by its sources (the bytes are yours to derive from them):
 
-    * ``mixed_precision=True``: the ZeRO paper's own setting, mixed-precision Adam (Rajbhandari et
-      al., arXiv 1910.02054, Sec. 3.1); what each stage partitions: its Sec. 5.
-    * ``mixed_precision=False``: the same Adam trained in fp32 throughout (lesson 01, section 3).
+    * ``optimizer``: ``"adam"``, ``"sgd"`` or ``"adafactor"``, keeping for each parameter the state
+      that torch's own ``torch.optim.Adam``, ``torch.optim.SGD(momentum=0.9)`` and
+      ``torch.optim.Adafactor`` (default arguments otherwise) keep for it after a step. Build them on
+      parameters of a few shapes and measure what they hold (your 01.1 census, lesson 01).
+    * ``mixed_precision=True``: the ZeRO paper's mixed precision (Rajbhandari et al., arXiv
+      1910.02054, Sec. 3.1) with this optimizer in place of Adam; what each stage partitions: its Sec. 5.
+    * ``mixed_precision=False``: the same optimizer trained in fp32 throughout (lesson 01, section 3).
     * ``offload=True``: placed as zerolab's offload engines place it,
       ``zerolab.initialize(model, stage=..., param_dtype=..., offload="optimizer")`` (ZeRO-Offload,
-      Ren et al., arXiv 2101.06840, Sec. 4). You can build them on a few ranks, measure what each
-      holds and on which side (lesson 06, sections 2 and 4), and generalise.
+      Ren et al., arXiv 2101.06840, Sec. 4), with this optimizer's state where Adam's is. You can
+      build them on a few ranks, measure what each holds and on which side (lesson 06, sections 2
+      and 4), and generalise.
 
     What counts: model states only, in the kinds of 01.1 (an fp32 master copy is optimizer state).
-    Not counted: activations, Adam's step counters, transient buffers (gradient buckets in flight,
-    stage 3's gathered layers, a host kernel's workspace) and padding: a rank's share of a
-    partitioned state is exactly 1/N of it, fractional when N does not divide Ψ (do not round).
+    Not counted: activations, step counters, transient buffers (gradient buckets in flight, stage 3's
+    gathered layers, a host kernel's workspace) and padding: a rank's share of a partitioned state is
+    exactly 1/N of it, fractional when N does not divide it (do not round).
     A setting that does not exist (a stage other than 0-3; offload without a partitioned optimizer,
-    i.e. at stage 0): a ValueError naming it.
+    i.e. at stage 0; an optimizer not named above): a ValueError naming it.
 
-    Graded exactly, against closed forms the grader derives from the same sources: every kind on
-    the device and the host total, at every stage, in both precisions, with and without offload;
-    on the paper's worked example (Ψ = 7.5e9, N = 64) and on sizes that no N divides."""
+    Graded exactly, against closed forms the grader derives from the same sources, with each
+    optimizer's state measured on torch's optimizers: every kind on the device and the host total,
+    at every stage, in both precisions, with and without offload, for each optimizer; on the
+    paper's worked example (Adam, Ψ = 7.5e9, N = 64) and on models with vectors, matrices of one row
+    or one column, and 3-D and 4-D parameters, whose totals no N divides."""
     raise NotImplementedError(
         "Exercise 01.2: the bytes of each kind on one rank, at this stage, on the device and on the host.")

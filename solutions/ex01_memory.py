@@ -1,5 +1,7 @@
 """Worked answers to exercise 01: the peak of a step by kind, measured with hooks, and the ZeRO
-formulas with ZeRO-Offload's placement, derived (see lesson 01)."""
+formulas with ZeRO-Offload's placement, derived for three optimizers from their own state (see
+lesson 01)."""
+import math
 
 
 def _new_bytes(tensors, seen):
@@ -49,27 +51,49 @@ def peak_model_states(model, optimizer, run_step):
     return peak
 
 
-def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, offload=False):
+def _optimizer_elements(shape, optimizer):
+    """Elements of optimizer state torch keeps for one parameter of ``shape`` (step counters aside)."""
+    numel = math.prod(shape)
+    if optimizer == "adam":            # torch.optim.Adam: exp_avg and exp_avg_sq, each like the parameter
+        return 2 * numel
+    if optimizer == "sgd":             # torch.optim.SGD(momentum>0): one momentum_buffer like the parameter
+        return numel
+    if len(shape) < 2:                 # torch.optim.Adafactor: a vector keeps its full second moment ...
+        return numel
+    # ... a matrix (or a stack of them: leading dims batch) keeps one mean per row and one per column
+    # of its last two dims (Shazeer & Stern, arXiv 1804.04235, Sec. 3).
+    rows, cols = shape[-2], shape[-1]
+    batch = numel // (rows * cols)
+    return batch * (rows + cols)
+
+
+def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_precision=True, offload=False):
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if optimizer not in ("adam", "sgd", "adafactor"):
+        raise ValueError(f"optimizer must be 'adam', 'sgd' or 'adafactor', got {optimizer!r}")
     if offload and stage == 0:
         raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3), got stage 0")
-    # Bytes per element (ZeRO Sec. 3.1): mixed precision computes on 2-byte params and grads, and
-    # Adam keeps an fp32 master, momentum and variance (K = 12); fp32 Adam keeps only the moments.
-    param, grad, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
-    psi, n = num_params, world_size
-    # ZeRO Sec. 5.1: P_os from stage 1, P_g from stage 2, P_p at stage 3.
+    shapes = [tuple(s) for s in shapes]
+    if not shapes or any(len(s) == 0 or any(int(d) != d or d < 1 for d in s) for s in shapes):
+        raise ValueError(f"shapes must be a non-empty list of shapes with positive integer sizes, got {shapes!r}")
+    psi = sum(math.prod(s) for s in shapes)
+    # The optimizer's own state is fp32 (it updates the fp32 master in mixed precision, ZeRO Sec. 3.1).
+    states = 4 * sum(_optimizer_elements(s, optimizer) for s in shapes)
+    param = grad = 2 if mixed_precision else 4
+    master = 4 * psi if mixed_precision else 0
+    n = world_size
+    # ZeRO Sec. 5.1: P_os from stage 1, P_g from stage 2, P_p at stage 3; a share is exactly 1/N.
     params = param * psi / (n if stage >= 3 else 1)
     grads = grad * psi / (n if stage >= 2 else 1)
-    optim = k * psi / (n if stage >= 1 else 1)
+    optim = (master + states) / (n if stage >= 1 else 1)
     host = 0
     if offload:
-        # zerolab's offload engines (ZeRO-Offload Sec. 4.1): what the rank owns goes to the host,
-        # its gradient shard and its optimizer state; in fp32 the host needs its own fp32 copy of
-        # the parameter shard to update (the device's parameters cannot be it). The device keeps
-        # the parameters as the stage has them, and stage 1, which does not partition gradients,
-        # its full gradient.
-        host = (grad + k + (0 if mixed_precision else 4)) * psi / n
+        # zerolab's offload engines (ZeRO-Offload Sec. 4.1): the rank's optimizer state and its
+        # gradient shard go to the host, with an fp32 copy of its parameter shard to update (the
+        # master in mixed precision; its own copy in fp32, since the device's parameters cannot be
+        # it). The device keeps the parameters as the stage has them, and at stage 1 its full gradient.
+        host = (grad * psi + 4 * psi + states) / n
         optim = 0
         grads = grads if stage == 1 else 0
     return {"params": params, "grads": grads, "optimizer": optim,

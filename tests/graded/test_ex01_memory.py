@@ -14,9 +14,14 @@ flat buffers the optimizer also keeps (storages shared by two kinds); torch DDP'
 gradients on 2 real ranks; and a step that raises after its backward pass, after which no hook of
 the measurement may remain and the step's own exception must have come out. The accounting (01.2) is
 checked exactly against closed forms derived here from the same sources the stub names (ZeRO Sec. 3.1
-and 5.1; ZeRO-Offload's placement as zerolab's offload engines hold it): every kind on the device and
-the host total, at every stage, in both precisions, with and without offload, on the paper's worked
-example and on sizes no N divides (no rounding, no padding), and the settings that do not exist."""
+and 5.1; ZeRO-Offload's placement as zerolab's offload engines hold it), with each optimizer's state
+MEASURED here on torch's own optimizers (Adam, SGD with momentum, Adafactor) for every shape: every kind
+on the device and the host total, at every stage, in both precisions, with and without offload, for a
+model given by its parameter shapes (vectors, matrices with one row or one column, 3-D and 4-D stacks);
+on the paper's worked example and on totals no N divides (no rounding, no padding), and the settings
+that do not exist."""
+import functools
+
 import pytest
 import torch
 
@@ -27,22 +32,51 @@ from zerolab.grade.helpers import exercise_module
 # (checked before and while the tests run, by zerolab.grade.references).
 REFERENCE_MODULES = ["zerolab.memory", "zerolab.calculator"]
 
-PSI, N = 7.5e9, 64
-ODD_PSI = 123_457                  # a prime: no N > 1 divides it, so every rank's share is fractional
+PSI, N = 7_500_000_000, 64
+# A model's parameter shapes whose total (1,027 = 13 x 79) no N in the tests divides: a row and a
+# column vector as matrices (factored state larger than the parameter), a matrix, a vector, and
+# stacks of matrices (3-D and 4-D: Adafactor factors the last two dims, the leading ones batch).
+ODD_SHAPES = [(1, 37), (37, 1), (13, 37), (37,), (3, 5, 7), (2, 3, 11, 5)]
+# A small GPT's shapes (tok, pos, one block's qkv/proj/mlp weights and biases, norms, tied head).
+GPT_SHAPES = [(256, 64), (32, 64), (64,), (64,), (192, 64), (192,), (64, 64), (64,), (64,), (64,),
+              (256, 64), (256,), (64, 256), (64,), (64,), (64,)]
+OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+              "adafactor": torch.optim.Adafactor}
+
+
+@functools.lru_cache(maxsize=None)
+def optimizer_state_elements(shape, optimizer):
+    """Elements of state torch's own optimizer keeps for one parameter of ``shape`` after a step,
+    step counters aside: MEASURED here (trusted) on a real parameter; for the paper's 7.5e9-element
+    vector (too large to build) Adam's state is elementwise (two moments), as measured on small ones."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel > 10_000_000:
+        assert optimizer == "adam" and len(shape) == 1
+        return 2 * numel
+    p = torch.nn.Parameter(torch.zeros(shape))
+    p.grad = torch.ones(shape)
+    opt = OPTIMIZERS[optimizer]([p])
+    opt.step()
+    return sum(t.numel() for k, t in opt.state[p].items() if k != "step" and torch.is_tensor(t))
+
 
 # 01.2's closed forms, derived here (trusted) from the sources the stub names; never the submission's.
-# Bytes per element of each kind. ZeRO Sec. 3.1, mixed-precision Adam: fp16 parameters and gradients,
-# and the optimizer's fp32 master copy, momentum and variance (K = 12); fp32 Adam (lesson 01, Sec. 3):
-# fp32 parameters and gradients, and the two moments (K = 8).
-BYTES = {True: {"params": 2, "grads": 2, "optimizer": 4 + 4 + 4},
-         False: {"params": 4, "grads": 4, "optimizer": 4 + 4}}
+# Bytes per element of parameters and gradients: ZeRO Sec. 3.1's mixed precision (2-byte parameters and
+# gradients, an fp32 master copy that is optimizer state) or fp32 throughout (lesson 01, Sec. 3); the
+# optimizer's own state is fp32 in both (it updates fp32 values), as many elements as torch keeps.
 # ZeRO Sec. 5.1: P_os partitions the optimizer states, P_os+g the gradients too, P_os+g+p the parameters too.
 PARTITIONED = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}
 
 
-def zero_bytes(psi, n, stage, mixed=True, offload=False):
+def zero_bytes(shapes, n, stage, optimizer="adam", mixed=True, offload=False):
     """One rank's model-state bytes: each kind on the device, their total, and the host's bytes."""
-    device = {kind: b * psi / (n if kind in PARTITIONED[stage] else 1) for kind, b in BYTES[mixed].items()}
+    psi = sum(torch.Size(s).numel() for s in shapes)
+    states = 4 * sum(optimizer_state_elements(tuple(s), optimizer) for s in shapes)
+    whole = {"params": (2 if mixed else 4) * psi, "grads": (2 if mixed else 4) * psi,
+             "optimizer": (4 * psi if mixed else 0) + states}
+    device = {kind: b / (n if kind in PARTITIONED[stage] else 1) for kind, b in whole.items()}
     host = 0
     if offload:
         # zerolab's Zero{1,2,3}OffloadEngine (memory_report by host_kinds, measured on 2-3 ranks; ZeRO-Offload
@@ -50,11 +84,13 @@ def zero_bytes(psi, n, stage, mixed=True, offload=False):
         # the host also keeps its own 4-byte copy of the owned parameters to update (in mixed precision
         # the fp32 master is that copy). The device keeps the parameters as the stage partitions them,
         # and at stage 1 (gradients not partitioned) its full gradient.
-        host = (BYTES[mixed]["optimizer"] + BYTES[mixed]["grads"] + (0 if mixed else 4)) * psi / n
+        host = (whole["optimizer"] + whole["grads"] + (0 if mixed else 4 * psi)) / n
         device["optimizer"] = 0
         if "grads" in PARTITIONED[stage]:
             device["grads"] = 0
     return dict(device, total=sum(device.values()), host=host)
+
+
 MLP_TRAINABLE = (13 * 37 + 37) + (37 * 37 + 37) + (37 * 5 + 5)   # ToyMLP: inp, mid (used twice), out
 MLP_FROZEN = 37 * 37 + 37                                         # ToyMLP.frozen
 
@@ -316,57 +352,65 @@ def _rows(student, cases):
 
 @pytest.mark.points(2)
 def test_paper_worked_example(student):
-    """derived: the ZeRO paper's 120, 31.4, 16.6, 1.88 GB, kind by kind"""
+    """derived: the ZeRO paper's 120, 31.4, 16.6, 1.88 GB with Adam, kind by kind"""
     # ZeRO Fig. 1: Ψ = 7.5B, N = 64, mixed-precision Adam: 120, 31.4, 16.6, 1.88 GB (1e9 bytes).
     paper = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.88}
-    cases = [(f"stage {stage}, Ψ=7.5e9, N=64", (PSI, N, stage), {}) for stage in paper]
+    shapes = [[PSI]]
+    cases = [(f"stage {stage}, Adam, one vector of 7.5e9, N=64", (shapes, N, stage), {"optimizer": "adam"})
+             for stage in paper]
     for (what, _, _), (stage, gb), got in zip(cases, paper.items(), _rows(student, cases)):
         assert round(got["total"] / 1e9, 2 if stage == 3 else 1) == gb, (
             f"stage {stage}: {got['total'] / 1e9:.4g} GB per rank, the paper says {gb} GB")
-        _expect(got, zero_bytes(PSI, N, stage), what)
+        _expect(got, zero_bytes(shapes, N, stage), what)
 
 
 @pytest.mark.points(2)
 @pytest.mark.parametrize("mixed", [True, False], ids=["mixed", "fp32"])
 def test_each_stage_shards_one_more_kind(student, mixed):
-    """derived: each stage divides one more kind by N, in both precisions, exactly"""
-    cases = [(f"stage {stage}, Ψ={psi}, N={n}, {'mixed' if mixed else 'fp32'}", (psi, n, stage),
-              {"mixed_precision": mixed})
-             for psi in (1000, ODD_PSI) for n in (1, 2, 3, 8) for stage in (0, 1, 2, 3)]
-    rows = _rows(student, cases)
-    for (what, args, _), got in zip(cases, rows):
-        _expect(got, zero_bytes(*args, mixed=mixed), what)
-    dp = rows[[args for _, args, _ in cases].index((1000, 8, 0))]
-    assert dp["total"] == 16_000, f"data parallelism holds 16 bytes/param either way, got {dp['total'] / 1000}"
+    """derived: each stage divides one more kind by N, each optimizer's state from the shapes, exactly"""
+    cases = [(f"stage {stage}, {optimizer}, {name} shapes, N={n}, {'mixed' if mixed else 'fp32'}",
+              ([list(s) for s in shapes], n, stage), {"optimizer": optimizer, "mixed_precision": mixed})
+             for optimizer in ("sgd", "adafactor") for name, shapes in (("GPT", GPT_SHAPES), ("odd", ODD_SHAPES))
+             for n in (1, 2, 3, 8) for stage in (0, 1, 2, 3)]
+    for (what, args, kwargs), got in zip(cases, _rows(student, cases)):
+        _expect(got, zero_bytes(*args, optimizer=kwargs["optimizer"], mixed=mixed), what)
 
 
 def _offload_cases(mixed):
-    return [(f"stage {stage} + offload, Ψ={psi:g}, N={n}, {'mixed' if mixed else 'fp32'}", (psi, n, stage),
-             {"mixed_precision": mixed, "offload": True})
-            for psi, n in ((PSI, N), (ODD_PSI, 1), (ODD_PSI, 3), (ODD_PSI, 8)) for stage in (1, 2, 3)]
+    return [(f"stage {stage} + offload, {optimizer}, {name} shapes, N={n}, {'mixed' if mixed else 'fp32'}",
+             ([list(s) for s in shapes], n, stage),
+             {"optimizer": optimizer, "mixed_precision": mixed, "offload": True})
+            for optimizer in ("adam", "sgd", "adafactor")
+            for name, shapes, n in (("GPT", GPT_SHAPES, 3), ("odd", ODD_SHAPES, 1), ("odd", ODD_SHAPES, 3),
+                                    ("odd", ODD_SHAPES, 8))
+            for stage in (1, 2, 3)]
 
 
 @pytest.mark.points(2)
 def test_offload_moves_the_owned_states_to_the_host(student):
-    """derived: ZeRO-Offload's split between device and host, kind by kind, at every stage (mixed precision)"""
+    """derived: ZeRO-Offload's split between device and host, kind by kind, at every stage, three
+    optimizers (mixed precision)"""
     cases = _offload_cases(True)
-    for (what, args, _), got in zip(cases, _rows(student, cases)):
-        _expect(got, zero_bytes(*args, mixed=True, offload=True), what)
+    for (what, args, kwargs), got in zip(cases, _rows(student, cases)):
+        _expect(got, zero_bytes(*args, optimizer=kwargs["optimizer"], mixed=True, offload=True), what)
 
 
 @pytest.mark.points(2)
 def test_offload_in_fp32(student):
-    """derived: offload in fp32: device and host, kind by kind, at every stage"""
+    """derived: offload in fp32: device and host, kind by kind, at every stage, three optimizers"""
     cases = _offload_cases(False)
-    for (what, args, _), got in zip(cases, _rows(student, cases)):
-        _expect(got, zero_bytes(*args, mixed=False, offload=True), what)
+    for (what, args, kwargs), got in zip(cases, _rows(student, cases)):
+        _expect(got, zero_bytes(*args, optimizer=kwargs["optimizer"], mixed=False, offload=True), what)
 
 
 @pytest.mark.points(1)
 def test_settings_that_do_not_exist_are_refused(student):
-    """a ValueError for a stage other than 0-3, and for offload at stage 0"""
-    bad = [((1000, 4, 0), {"offload": True}), ((1000, 4, 0), {"offload": True, "mixed_precision": False}),
-           ((1000, 4, 4), {"offload": False}), ((1000, 4, -1), {"offload": False}), ((1000, 4, 4), {"offload": True})]
+    """a ValueError for a stage other than 0-3, offload at stage 0, and an optimizer not in the contract"""
+    shapes = [[10, 10]]
+    bad = [((shapes, 4, 0), {"offload": True}), ((shapes, 4, 0), {"offload": True, "mixed_precision": False}),
+           ((shapes, 4, 4), {"offload": False}), ((shapes, 4, -1), {"offload": False}),
+           ((shapes, 4, 4), {"offload": True}), ((shapes, 4, 0), {"optimizer": "lion"}),
+           ((shapes, 4, 2), {"optimizer": "lion", "offload": True})]
     for (args, kwargs), got in zip(bad, _formulas(student, bad)):
         assert got.get("raised") == "ValueError", (
             f"model_state_bytes{args} with {kwargs}: expected a ValueError naming the setting, got {got!r}")

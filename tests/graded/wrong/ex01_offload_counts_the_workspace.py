@@ -54,23 +54,48 @@ def peak_model_states(model, optimizer, run_step):
     return peak
 
 
-def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, offload=False):
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _state_elements(shape, optimizer):
+    # measured on torch's optimizers: Adam keeps two moments, SGD one momentum buffer, Adafactor a
+    # vector's full second moment or, for a matrix, one value per row and one per column
+    numel = _numel(shape)
+    if optimizer == "adam":
+        return 2 * numel
+    if optimizer == "sgd":
+        return numel
+    if len(shape) < 2:
+        return numel
+    batch = numel // (shape[-2] * shape[-1])     # leading dims: a stack of matrices
+    return batch * (shape[-2] + shape[-1])
+
+
+def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_precision=True, offload=False):
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if optimizer not in ("adam", "sgd", "adafactor"):
+        raise ValueError(f"optimizer must be 'adam', 'sgd' or 'adafactor', got {optimizer!r}")
     if offload and stage == 0:
         raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3), got stage 0")
-    # Bytes per element (ZeRO Sec. 3.1): mixed precision computes on 2-byte params and grads, and
-    # Adam keeps an fp32 master, momentum and variance (K = 12); fp32 Adam keeps only the moments.
-    param, grad, k = (2, 2, 12) if mixed_precision else (4, 4, 8)
-    psi, n = num_params, world_size
+    shapes = [tuple(s) for s in shapes]
+    psi = sum(_numel(s) for s in shapes)
+    states = 4 * sum(_state_elements(s, optimizer) for s in shapes)      # the optimizer's state is fp32
+    param = grad = 2 if mixed_precision else 4
+    master = 4 * psi if mixed_precision else 0                          # ZeRO Sec. 3.1's fp32 master
+    n = world_size
     # ZeRO Sec. 5.1: P_os from stage 1, P_g from stage 2, P_p at stage 3.
     params = param * psi / (n if stage >= 3 else 1)
     grads = grad * psi / (n if stage >= 2 else 1)
-    optim = k * psi / (n if stage >= 1 else 1)
+    optim = (master + states) / (n if stage >= 1 else 1)
     host = 0
     if offload:
-        # ZeRO-Offload: what the rank owns (gradient shard, optimizer state) on the host
-        host = (grad + k + 4) * psi / n
+        # ZeRO-Offload: the owned gradient shard, an fp32 copy of the owned parameters, the state
+        host = (grad * psi + 4 * psi + states + (4 * psi if mixed_precision else 0)) / n
         optim = 0
         grads = grads if stage == 1 else 0
     return {"params": params, "grads": grads, "optimizer": optim,

@@ -5,7 +5,6 @@ and the optimizer's state after it.
 
 Caught by: test_peak_with_fp32_masters.
 """
-PRECISIONS = {True: {"param": 2, "grad": 2, "k": 12}, False: {"param": 4, "grad": 4, "k": 8}}  # bytes/element
 
 
 def _new_bytes(tensors, seen):
@@ -55,22 +54,48 @@ def peak_model_states(model, optimizer, run_step):
     return peak
 
 
-def model_state_bytes(num_params, world_size, stage, *, mixed_precision=True, offload=False):
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _state_elements(shape, optimizer):
+    # measured on torch's optimizers: Adam keeps two moments, SGD one momentum buffer, Adafactor a
+    # vector's full second moment or, for a matrix, one value per row and one per column
+    numel = _numel(shape)
+    if optimizer == "adam":
+        return 2 * numel
+    if optimizer == "sgd":
+        return numel
+    if len(shape) < 2:
+        return numel
+    batch = numel // (shape[-2] * shape[-1])     # leading dims: a stack of matrices
+    return batch * (shape[-2] + shape[-1])
+
+
+def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_precision=True, offload=False):
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if optimizer not in ("adam", "sgd", "adafactor"):
+        raise ValueError(f"optimizer must be 'adam', 'sgd' or 'adafactor', got {optimizer!r}")
     if offload and stage == 0:
         raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3), got stage 0")
-    b = PRECISIONS[mixed_precision]            # bytes/element: param, grad, K (ZeRO Sec. 3.1)
-    psi, n = num_params, world_size
+    shapes = [tuple(s) for s in shapes]
+    psi = sum(_numel(s) for s in shapes)
+    states = 4 * sum(_state_elements(s, optimizer) for s in shapes)      # the optimizer's state is fp32
+    param = grad = 2 if mixed_precision else 4
+    master = 4 * psi if mixed_precision else 0                          # ZeRO Sec. 3.1's fp32 master
+    n = world_size
     # ZeRO Sec. 5.1: P_os from stage 1, P_g from stage 2, P_p at stage 3.
-    params = b["param"] * psi / (n if stage >= 3 else 1)
-    grads = b["grad"] * psi / (n if stage >= 2 else 1)
-    optim = b["k"] * psi / (n if stage >= 1 else 1)
+    params = param * psi / (n if stage >= 3 else 1)
+    grads = grad * psi / (n if stage >= 2 else 1)
+    optim = (master + states) / (n if stage >= 1 else 1)
     host = 0
     if offload:
-        # ZeRO-Offload: grad shard + optimizer state (fp32: plus the host's param-shard copy) on
-        # the host; stage 1 still holds the full gradient on the device.
-        host = (b["grad"] + b["k"] + (0 if mixed_precision else 4)) * psi / n
+        # ZeRO-Offload: the owned gradient shard, an fp32 copy of the owned parameters, the state
+        host = (grad * psi + 4 * psi + states) / n
         optim = 0
         grads = grads if stage == 1 else 0
     return {"params": params, "grads": grads, "optimizer": optim,
