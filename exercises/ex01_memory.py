@@ -74,7 +74,8 @@ def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_prec
     gathered layers, a host kernel's workspace) and padding: a rank's share of a partitioned state is
     exactly 1/N of it, fractional when N does not divide it (do not round).
     A setting that does not exist (a stage other than 0-3; offload without a partitioned optimizer,
-    i.e. at stage 0; an optimizer not named above): a ValueError naming it.
+    i.e. at stage 0; an optimizer not named above; an optimizer at a stage whose partitioning
+    zerolab's engines refuse for it: try each one on them): a ValueError naming it.
 
     Graded exactly, against closed forms the grader derives from the same sources, with each
     optimizer's state measured on torch's optimizers: every kind on the device and the host total,

@@ -80,6 +80,11 @@ def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_prec
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if optimizer not in ("adam", "sgd", "adafactor"):
         raise ValueError(f"optimizer must be 'adam', 'sgd' or 'adafactor', got {optimizer!r}")
+    if optimizer == "adafactor" and stage >= 1:
+        # a factored second moment (a row and a column statistic per matrix) cannot be cut into the
+        # flat 1/N slices ZeRO partitions; zerolab's engines refuse it at stages 1-3
+        raise ValueError(f"optimizer='adafactor' at stage {stage}: its factored state cannot be "
+                         f"partitioned into flat slices; zerolab's engines refuse it (use stage 0)")
     if offload and stage == 0:
         raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3), got stage 0")
     shapes = [tuple(s) for s in shapes]
