@@ -388,8 +388,8 @@ def _offload_cases(mixed):
 
 @pytest.mark.points(2)
 def test_offload_moves_the_owned_states_to_the_host(student):
-    """derived: ZeRO-Offload's split between device and host, kind by kind, at every stage, three
-    optimizers (mixed precision)"""
+    """derived: ZeRO-Offload's split between device and host, kind by kind, at every stage, Adam and
+    SGD (mixed precision)"""
     cases = _offload_cases(True)
     for (what, args, kwargs), got in zip(cases, _rows(student, cases)):
         _expect(got, zero_bytes(*args, optimizer=kwargs["optimizer"], mixed=True, offload=True), what)
@@ -397,7 +397,7 @@ def test_offload_moves_the_owned_states_to_the_host(student):
 
 @pytest.mark.points(2)
 def test_offload_in_fp32(student):
-    """derived: offload in fp32: device and host, kind by kind, at every stage, three optimizers"""
+    """derived: offload in fp32: device and host, kind by kind, at every stage, Adam and SGD"""
     cases = _offload_cases(False)
     for (what, args, kwargs), got in zip(cases, _rows(student, cases)):
         _expect(got, zero_bytes(*args, optimizer=kwargs["optimizer"], mixed=False, offload=True), what)
