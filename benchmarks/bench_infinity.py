@@ -124,7 +124,9 @@ def engine_steps(folder, world_size, steps):
     return out
 
 
-def main(argv=None):
+def main(argv=()):
+    """``argv``: the command line's arguments (None: sys.argv's); the default, none, is what
+    ``benchmarks.run_all`` runs, whatever its own command line holds."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mparams", type=float, default=4.0)
     ap.add_argument("--repeats", type=int, default=5, help="runs of each ceiling")
@@ -189,4 +191,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    print(main())
+    print(main(None))
