@@ -98,6 +98,10 @@ def _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel):
         model(x, y).backward()
         model.zero_grad(set_to_none=True)
     probes["fwd_bwd"] = fwd_bwd
+
+    def fwd():
+        model(x, y)          # the forward alone, its graph built as in training, then dropped
+    probes["fwd"] = fwd      # not used to predict: it measures the 2:4 split the model assumes
     from zerolab.offload import host_optimizer
     for name, fused in (("adam", False), ("host_adam", None)):   # optimizer: AdamW on one flat shard,
         p = torch.zeros(adam_numel, requires_grad=True)          # the device's kernel and the host's
@@ -211,7 +215,7 @@ def fit_hardware(per_rank, world_size):
     from zerolab import cost
     n, info = world_size, per_rank[0]["info"]
     raw = {name: slowest_median(per_rank, name) for name in per_rank[0]["times"]
-           if name in ("fwd_bwd", "adam", "host_adam", "copy") or name.split()[0] in PHASES}
+           if name in ("fwd_bwd", "fwd", "adam", "host_adam", "copy") or name.split()[0] in PHASES}
     bandwidth, latency = _alpha_beta(raw, "all_reduce", n)   # two sizes, two unknowns
     flops = 6 * info["psi"] * info["tokens"] / raw["fwd_bwd"]      # effective, MFU folded in
     hw = cost.Hardware(name=f"this machine, {n} ranks at once (gloo, CPU)", device_memory=0.0,
