@@ -9,7 +9,10 @@ after the step does not see. Here you build the instrument that catches it; how 
      stage, with or without offload, for a model given by its parameter shapes and ANY torch
      optimizer: the accounting derived from its sources and your measurements, not given.
 
-Grade your work:  ``make grade`` or, in lesson 01, ``zerolab.grade.check("01")``.
+Grade your work:  ``make grade`` or, in lesson 01, ``zerolab.grade.check("01")``. Plain Python and
+torch: a file that imports ``zerolab.memory`` or ``zerolab.calculator`` (this exercise's reference),
+builds code or names at run time (``exec``, ``eval``, ``importlib``) or inspects frames, modules or
+functions (``inspect``, ``gc``, ``sys.modules``) scores 0, with the line named (README, "The grader").
 """
 
 
@@ -83,8 +86,8 @@ def model_state_bytes(shapes, world_size, stage, *, optimizer, optimizer_kwargs=
 
     Graded exactly, against closed forms the grader derives from the same sources, with each
     optimizer's state measured on torch's own optimizers: every kind on the device and the host
-    total, at every stage, in both precisions, with and without offload, for optimizers and arguments
-    that no lesson tabulates. Also the paper's worked example (Adam, Ψ = 7.5e9, N = 64), and models
+    total, at every stage, in both precisions, with and without offload, for a dozen optimizer
+    settings, most of which no lesson tabulates. Also the paper's worked example (Adam, Ψ = 7.5e9, N = 64), and models
     with vectors, matrices of one row or one column, and 3-D and 4-D parameters, whose totals no N
     divides."""
     raise NotImplementedError(

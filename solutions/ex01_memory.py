@@ -1,7 +1,6 @@
 """Worked answers to exercise 01: the peak of a step by kind, measured with hooks, and the ZeRO
 formulas with ZeRO-Offload's placement, for any torch optimizer, from its state measured (see
 lesson 01)."""
-import inspect
 import math
 
 import torch
@@ -77,15 +76,18 @@ def _state_elements(shape, optimizer, kwargs):
         return measure("cpu")
 
 
-def _refused(optimizer, stage):
+def _refused(optimizer, kwargs, stage):
     """Why zerolab's engines refuse ``optimizer`` at ``stage``, or None: they partition flat slices of
     the parameters from stage 1 on, which is exact only for an elementwise update; and they step
-    without a closure."""
+    without a closure (tried here: a step without one on a one-element parameter)."""
     if stage >= 1 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
         return f"its update is not elementwise, so a flat 1/N slice cannot step alone (stage {stage})"
-    closure = inspect.signature(optimizer.step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        return "its step() needs a closure, which the engines do not pass"
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    try:
+        optimizer([p], **kwargs).step()
+    except TypeError as exc:
+        return f"it cannot step without a closure, which the engines do not pass ({exc})"
     return None
 
 
@@ -95,7 +97,8 @@ def model_state_bytes(shapes, world_size, stage, *, optimizer, optimizer_kwargs=
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
         raise ValueError(f"optimizer must be a torch optimizer class such as torch.optim.Adam, got {optimizer!r}")
-    why = _refused(optimizer, stage)
+    kwargs = dict(optimizer_kwargs or {})
+    why = _refused(optimizer, kwargs, stage)
     if why:
         raise ValueError(f"{optimizer.__name__} at stage {stage}: zerolab's engines refuse it: {why}")
     if offload and stage == 0:
@@ -103,7 +106,6 @@ def model_state_bytes(shapes, world_size, stage, *, optimizer, optimizer_kwargs=
     shapes = [tuple(s) for s in shapes]
     if not shapes or any(len(s) == 0 or any(int(d) != d or d < 1 for d in s) for s in shapes):
         raise ValueError(f"shapes must be a non-empty list of shapes with positive integer sizes, got {shapes!r}")
-    kwargs = dict(optimizer_kwargs or {})
     psi = sum(math.prod(s) for s in shapes)
     # The optimizer's own state is fp32 (it updates the fp32 master in mixed precision, ZeRO Sec. 3.1).
     per_shape = {s: _state_elements(s, optimizer, kwargs) for s in set(shapes)}   # each shape once

@@ -15,7 +15,7 @@ gradients on 2 real ranks; and a step that raises after its backward pass, after
 the measurement may remain and the step's own exception must have come out. The accounting (01.2) is
 checked exactly against closed forms derived here from the same sources the stub names (ZeRO Sec. 3.1
 and 5.1; ZeRO-Offload's placement as zerolab's offload engines hold it), with each optimizer's state
-MEASURED here on torch's own optimizers (thirteen classes and arguments, twelve of them tabulated by no
+MEASURED here on torch's own optimizers (fourteen classes and arguments, ten of them tabulated by no
 lesson: amsgrad, momentum, nesterov, centered RMSprop, Adagrad, Rprop, NAdam, Adafactor's factored
 state ...) for every shape: every kind on the device and the host total, at every stage, in both precisions, with and without offload, for a
 model given by its parameter shapes (vectors, matrices with one row or one column, 3-D and 4-D stacks);
@@ -41,8 +41,9 @@ ODD_SHAPES = [(1, 37), (37, 1), (13, 37), (37,), (3, 5, 7), (2, 3, 11, 5)]
 # A small GPT's shapes (tok, pos, one block's qkv/proj/mlp weights and biases, norms, tied head).
 GPT_SHAPES = [(256, 64), (32, 64), (64,), (64,), (192, 64), (192,), (64, 64), (64,), (64,), (64,),
               (256, 64), (256,), (64, 256), (64,), (64,), (64,)]
-# The optimizers 01.2 is graded on: name -> (torch class, its arguments). Only Adam with its defaults
-# (the paper's example) is tabulated by a lesson; the rest are the student's to measure.
+# The optimizers 01.2 is graded on: name -> (torch class, its arguments). Lesson 01 tabulates Adam
+# (the paper's example) and SGD with and without momentum (K = 8 and 4); the rest are the student's
+# to measure.
 OPTIMIZERS = {
     "Adam": (torch.optim.Adam, {}),
     "Adam(amsgrad)": (torch.optim.Adam, {"amsgrad": True}),
@@ -393,7 +394,7 @@ def test_paper_worked_example(student):
 
 
 # Partitioned at stages 1-3 by zerolab's engines; each keeps a different state (none, one, two, three
-# tensors like the parameter) that no lesson tabulates.
+# tensors like the parameter); five of the seven no lesson tabulates.
 SHARDED = ("SGD", "SGD(nesterov)", "Adam(amsgrad)", "Adagrad", "RMSprop(centered, momentum)", "Rprop", "NAdam")
 SHAPES = (("GPT", GPT_SHAPES), ("odd", ODD_SHAPES))
 
