@@ -59,11 +59,13 @@ REDUCE_DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float
 # element alone (and on scalars such as the step count that every element of a step shares), so
 # running one on a flat shard of the parameters is the same math as running it on the whole
 # parameters (what ZeRO's partitioning relies on, Sec. 5.1). Not here: Adafactor (its second moment is
-# factored into row and column statistics of each matrix: a flat slice has no rows), LBFGS (a closure,
-# and a history over the whole parameter vector), SparseAdam (sparse gradients).
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-                          torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop,
-                          torch.optim.Rprop)
+# factored into row and column statistics of each matrix: a flat slice has no rows), Muon (it
+# orthogonalises each matrix's momentum, Newton-Schulz on the whole matrix), LBFGS (a closure,
+# and a history over the whole parameter vector), SparseAdam (sparse gradients only), and any class
+# outside torch (its update is not known to be elementwise).
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta,
+                          torch.optim.Adagrad, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
+                          torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
 
 
 # -- options: declared by each engine class, checked here, once ---------------------------------
