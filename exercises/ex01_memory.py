@@ -6,10 +6,13 @@ after the step does not see. Here you build the instrument that catches it; how 
 
 01.1 ``peak_model_states``: the peak, by kind and in all, measured while a step runs.
 01.2 ``model_state_bytes``: one rank's bytes of each kind, on the device and on the host, at any ZeRO
-     stage, with or without offload, for a model given by its parameter shapes and one of three
-     optimizers: the accounting derived from its sources and your measurements, not given.
+     stage, with or without offload, for a model given by its parameter shapes and ANY torch
+     optimizer: the accounting derived from its sources and your measurements, not given.
 
-Grade your work:  ``make grade`` or, in lesson 01, ``zerolab.grade.check("01")``.
+Grade your work:  ``make grade`` or, in lesson 01, ``zerolab.grade.check("01")``. Plain Python and
+torch: a file that imports ``zerolab.memory`` or ``zerolab.calculator`` (this exercise's reference),
+builds code or names at run time (``exec``, ``eval``, ``importlib``) or inspects frames, modules or
+functions (``inspect``, ``gc``, ``sys.modules``) scores 0, with the line named (README, "The grader").
 """
 
 
@@ -46,7 +49,8 @@ def peak_model_states(model, optimizer, run_step):
         "Exercise 01.1: measure the peak of each kind, and of their sum, while run_step() runs.")
 
 
-def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_precision=True, offload=False):
+def model_state_bytes(shapes, world_size, stage, *, optimizer, optimizer_kwargs=None, mixed_precision=True,
+                      offload=False):
     """The model-state bytes that ONE rank holds when a model whose parameters have the given
     ``shapes`` (a list of shapes, e.g. ``[[256, 64], [64]]``) trains with ``optimizer`` on
     ``world_size`` (N) data-parallel ranks at ZeRO ``stage`` 0 (plain data parallelism), 1, 2 or 3
@@ -56,31 +60,35 @@ def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_prec
 
     The setting, by its sources (the bytes are yours to derive from them):
 
-    * ``optimizer``: ``"adam"``, ``"sgd"`` or ``"adafactor"``, keeping for each parameter the state
-      that torch's own ``torch.optim.Adam``, ``torch.optim.SGD(momentum=0.9)`` and
-      ``torch.optim.Adafactor`` (default arguments otherwise) keep for it after a step. Build them on
-      parameters of a few shapes and measure what they hold (your 01.1 census, lesson 01).
+    * ``optimizer``: ANY torch optimizer class, built as ``optimizer(params, **optimizer_kwargs)``
+      (``zerolab.initialize`` takes the same two), e.g. ``torch.optim.Adam`` with
+      ``{"amsgrad": True}``, ``torch.optim.RMSprop`` with ``{"centered": True, "momentum": 0.9}`` or
+      ``torch.optim.Adafactor``. Its state is whatever that torch optimizer keeps for each
+      parameter after a step, which depends on the class, its arguments and the parameter's shape.
+      No table of optimizers is given: find out what each one keeps (your 01.1 census, lesson 01).
+      The graded models include one vector of 7.5e9 elements.
     * ``mixed_precision=True``: the ZeRO paper's mixed precision (Rajbhandari et al., arXiv
       1910.02054, Sec. 3.1) with this optimizer in place of Adam; what each stage partitions: its Sec. 5.
     * ``mixed_precision=False``: the same optimizer trained in fp32 throughout (lesson 01, section 3).
     * ``offload=True``: placed as zerolab's offload engines place it,
-      ``zerolab.initialize(model, stage=..., param_dtype=..., offload="optimizer")`` (ZeRO-Offload,
-      Ren et al., arXiv 2101.06840, Sec. 4), with this optimizer's state where Adam's is. You can
-      build them on a few ranks, measure what each holds and on which side (lesson 06, sections 2
-      and 4), and generalise.
+      ``zerolab.initialize(model, stage=..., param_dtype=..., offload="optimizer", optimizer=...)``
+      (ZeRO-Offload, Ren et al., arXiv 2101.06840, Sec. 4). You can build them on a few ranks,
+      measure what each holds and on which side (lesson 06, sections 2 and 4), and generalise.
 
     What counts: model states only, in the kinds of 01.1 (an fp32 master copy is optimizer state).
-    Not counted: activations, step counters, transient buffers (gradient buckets in flight, stage 3's
-    gathered layers, a host kernel's workspace) and padding: a rank's share of a partitioned state is
-    exactly 1/N of it, fractional when N does not divide it (do not round).
-    A setting that does not exist (a stage other than 0-3; offload without a partitioned optimizer,
-    i.e. at stage 0; an optimizer not named above; an optimizer at a stage whose partitioning
-    zerolab's engines refuse for it: try each one on them): a ValueError naming it.
+    Not counted: activations, scalars an optimizer keeps per parameter tensor (0-dim state tensors:
+    step counts and the like), transient buffers (gradient buckets in flight, stage 3's gathered
+    layers, a host kernel's workspace) and padding: a rank's share of a partitioned state is exactly
+    1/N of it, fractional when N does not divide it (do not round).
+    A setting that does not exist: a ValueError naming it. That is a stage other than 0-3; offload
+    without a partitioned optimizer (stage 0); ``optimizer`` not a torch optimizer class; and an
+    optimizer that zerolab's engines refuse at this stage (find out which they refuse, and why).
 
     Graded exactly, against closed forms the grader derives from the same sources, with each
-    optimizer's state measured on torch's optimizers: every kind on the device and the host total,
-    at every stage, in both precisions, with and without offload, for each optimizer; on the
-    paper's worked example (Adam, Ψ = 7.5e9, N = 64) and on models with vectors, matrices of one row
-    or one column, and 3-D and 4-D parameters, whose totals no N divides."""
+    optimizer's state measured on torch's own optimizers: every kind on the device and the host
+    total, at every stage, in both precisions, with and without offload, for a dozen optimizer
+    settings, most of which no lesson tabulates. Also the paper's worked example (Adam, Ψ = 7.5e9, N = 64), and models
+    with vectors, matrices of one row or one column, and 3-D and 4-D parameters, whose totals no N
+    divides."""
     raise NotImplementedError(
         "Exercise 01.2: the bytes of each kind on one rank, at this stage, on the device and on the host.")

@@ -1,7 +1,11 @@
 """Worked answers to exercise 01: the peak of a step by kind, measured with hooks, and the ZeRO
-formulas with ZeRO-Offload's placement, derived for three optimizers from their own state (see
+formulas with ZeRO-Offload's placement, for any torch optimizer, from its state measured (see
 lesson 01)."""
 import math
+
+import torch
+
+from zerolab.engine import ELEMENTWISE_OPTIMIZERS
 
 
 def _new_bytes(tensors, seen):
@@ -51,32 +55,52 @@ def peak_model_states(model, optimizer, run_step):
     return peak
 
 
-def _optimizer_elements(shape, optimizer):
-    """Elements of optimizer state torch keeps for one parameter of ``shape`` (step counters aside)."""
-    numel = math.prod(shape)
-    if optimizer == "adam":            # torch.optim.Adam: exp_avg and exp_avg_sq, each like the parameter
-        return 2 * numel
-    if optimizer == "sgd":             # torch.optim.SGD(momentum>0): one momentum_buffer like the parameter
-        return numel
-    if len(shape) < 2:                 # torch.optim.Adafactor: a vector keeps its full second moment ...
-        return numel
-    # ... a matrix (or a stack of them: leading dims batch) keeps one mean per row and one per column
-    # of its last two dims (Shazeer & Stern, arXiv 1804.04235, Sec. 3).
-    rows, cols = shape[-2], shape[-1]
-    batch = numel // (rows * cols)
-    return batch * (rows + cols)
+def _state_elements(shape, optimizer, kwargs):
+    """Elements of state ``optimizer(params, **kwargs)`` keeps for one parameter of ``shape`` after a
+    step, MEASURED: one step on a parameter of that shape, then its state tensors counted, 0-dim ones
+    (step counts, NAdam's mu_product) aside. On the meta device first (no memory, so a 7.5e9-element
+    vector costs nothing); an optimizer that reads a value back (Adafactor calls .item()) cannot
+    step there, and is measured on a real parameter."""
+    def measure(device):
+        p = torch.zeros(shape, device=device, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        opt = optimizer([p], **kwargs)
+        opt.step()
+        return sum(t.numel() for t in opt.state[p].values() if torch.is_tensor(t) and t.dim() > 0)
+    try:
+        return measure("meta")
+    except (RuntimeError, NotImplementedError):
+        if math.prod(shape) > 1 << 26:
+            raise ValueError(f"{optimizer.__name__} cannot step on the meta device, and a real parameter of "
+                             f"shape {shape} is too large to measure it on") from None
+        return measure("cpu")
 
 
-def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_precision=True, offload=False):
+def _refused(optimizer, kwargs, stage):
+    """Why zerolab's engines refuse ``optimizer`` at ``stage``, or None: they partition flat slices of
+    the parameters from stage 1 on, which is exact only for an elementwise update; and they step
+    without a closure (tried here: a step without one on a one-element parameter)."""
+    if stage >= 1 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
+        return f"its update is not elementwise, so a flat 1/N slice cannot step alone (stage {stage})"
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    try:
+        optimizer([p], **kwargs).step()
+    except TypeError as exc:
+        return f"it cannot step without a closure, which the engines do not pass ({exc})"
+    return None
+
+
+def model_state_bytes(shapes, world_size, stage, *, optimizer, optimizer_kwargs=None, mixed_precision=True,
+                      offload=False):
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if optimizer not in ("adam", "sgd", "adafactor"):
-        raise ValueError(f"optimizer must be 'adam', 'sgd' or 'adafactor', got {optimizer!r}")
-    if optimizer == "adafactor" and stage >= 1:
-        # a factored second moment (a row and a column statistic per matrix) cannot be cut into the
-        # flat 1/N slices ZeRO partitions; zerolab's engines refuse it at stages 1-3
-        raise ValueError(f"optimizer='adafactor' at stage {stage}: its factored state cannot be "
-                         f"partitioned into flat slices; zerolab's engines refuse it (use stage 0)")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer must be a torch optimizer class such as torch.optim.Adam, got {optimizer!r}")
+    kwargs = dict(optimizer_kwargs or {})
+    why = _refused(optimizer, kwargs, stage)
+    if why:
+        raise ValueError(f"{optimizer.__name__} at stage {stage}: zerolab's engines refuse it: {why}")
     if offload and stage == 0:
         raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3), got stage 0")
     shapes = [tuple(s) for s in shapes]
@@ -84,7 +108,8 @@ def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_prec
         raise ValueError(f"shapes must be a non-empty list of shapes with positive integer sizes, got {shapes!r}")
     psi = sum(math.prod(s) for s in shapes)
     # The optimizer's own state is fp32 (it updates the fp32 master in mixed precision, ZeRO Sec. 3.1).
-    states = 4 * sum(_optimizer_elements(s, optimizer) for s in shapes)
+    per_shape = {s: _state_elements(s, optimizer, kwargs) for s in set(shapes)}   # each shape once
+    states = 4 * sum(per_shape[s] for s in shapes)
     param = grad = 2 if mixed_precision else 4
     master = 4 * psi if mixed_precision else 0
     n = world_size

@@ -104,7 +104,8 @@ def test_initialize_refuses_bad_options_with_a_clear_message(clusters):
         "stage": "stage=4 is not supported: choose one of (0, 1, 2, 3)",
         "offload name": "offload='nvme' is not supported",
         "offload at stage 0": "needs a sharded optimizer: use stage 1, 2 or 3",
-        "optimizer": "exact only for elementwise optimizers (SGD, Adam, AdamW); got LBFGS",
+        "optimizer": ("exact only for an elementwise optimizer; torch's are SGD, Adam, AdamW, Adadelta, Adagrad, "
+                      "Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop; got LBFGS"),
         "optimizer instance": "not an instance (AdamW): the engine builds it over what this rank owns",
         "no trainable": "no trainable parameters",
         "int parameter": "parameters must be floating point; not so: ['count']",

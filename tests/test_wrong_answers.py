@@ -37,8 +37,11 @@ GRADED = REPO / "tests" / "graded"
 WRONG = GRADED / "wrong"
 CAUGHT_BY = re.compile(r"^Caught by:\s*(.+?)\.?\s*$", re.MULTILINE)
 # A failure that says the wrong answer itself is broken, not that the tests caught its mistake.
+# A TypeError about the call itself (a keyword or an argument the function does not take) says the
+# wrong answer was written against another signature than the stub's.
 BROKEN = re.compile(r"\b(ImportError|ModuleNotFoundError|SyntaxError|NameError|NotImplementedError|"
-                    r"AttributeError: module)\b")
+                    r"AttributeError: module|TypeError: \S+\(\) (got an unexpected keyword argument|"
+                    r"missing \d+ required|takes \d+ positional))")
 
 
 def caught_by(path):

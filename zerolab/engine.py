@@ -55,9 +55,17 @@ from zerolab.shard_optim import ShardOptimizer, master_dtype
 REDUCE_IMPLS = ("torch", "ring")
 PARAM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
 REDUCE_DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float16)
-# Optimizers whose update is elementwise, so that running it on a flat shard of the parameters is
-# the same math as running it on the whole parameters (what ZeRO's partitioning relies on).
-ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# torch's optimizers whose update is elementwise: each element's new value and state depend on that
+# element alone (and on scalars such as the step count that every element of a step shares), so
+# running one on a flat shard of the parameters is the same math as running it on the whole
+# parameters (what ZeRO's partitioning relies on, Sec. 5.1). Not here: Adafactor (its second moment is
+# factored into row and column statistics of each matrix: a flat slice has no rows), Muon (it
+# orthogonalises each matrix's momentum, Newton-Schulz on the whole matrix), LBFGS (a closure,
+# and a history over the whole parameter vector), SparseAdam (sparse gradients only), and any class
+# outside torch (its update is not known to be elementwise).
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta,
+                          torch.optim.Adagrad, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
+                          torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
 
 
 # -- options: declared by each engine class, checked here, once ---------------------------------
@@ -185,7 +193,8 @@ def check_common(model, *, stage, optimizer, lr, param_dtype, bucket_bytes, redu
     if stage > 0 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
         raise ValueError(f"stage {stage} shards the optimizer over flat parameter slices, which is "
-                         f"exact only for elementwise optimizers ({names}); got {optimizer.__name__}")
+                         f"exact only for an elementwise optimizer; torch's are {names}; got "
+                         f"{optimizer.__name__} (use stage 0, or one of those)")
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise ValueError(f"{optimizer.__name__} needs a closure in step() (it re-evaluates the loss): the "

@@ -5,6 +5,11 @@ and the optimizer's state after it.
 
 Caught by: test_peak_with_fp32_masters.
 """
+import math
+
+import torch
+
+from zerolab.engine import ELEMENTWISE_OPTIMIZERS
 
 
 def _new_bytes(tensors, seen):
@@ -54,52 +59,74 @@ def peak_model_states(model, optimizer, run_step):
     return peak
 
 
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _state_elements(shape, optimizer, kwargs):
+    """Elements of state ``optimizer(params, **kwargs)`` keeps for one parameter of ``shape`` after a
+    step, MEASURED: one step on a parameter of that shape, then its state tensors counted, 0-dim ones
+    (step counts, NAdam's mu_product) aside. On the meta device first (no memory, so a 7.5e9-element
+    vector costs nothing); an optimizer that reads a value back (Adafactor calls .item()) cannot
+    step there, and is measured on a real parameter."""
+    def measure(device):
+        p = torch.zeros(shape, device=device, requires_grad=True)
+        p.grad = torch.ones_like(p)
+        opt = optimizer([p], **kwargs)
+        opt.step()
+        return sum(t.numel() for t in opt.state[p].values() if torch.is_tensor(t) and t.dim() > 0)
+    try:
+        return measure("meta")
+    except (RuntimeError, NotImplementedError):
+        if math.prod(shape) > 1 << 26:
+            raise ValueError(f"{optimizer.__name__} cannot step on the meta device, and a real parameter of "
+                             f"shape {shape} is too large to measure it on") from None
+        return measure("cpu")
 
 
-def _state_elements(shape, optimizer):
-    # measured on torch's optimizers: Adam keeps two moments, SGD one momentum buffer, Adafactor a
-    # vector's full second moment or, for a matrix, one value per row and one per column
-    numel = _numel(shape)
-    if optimizer == "adam":
-        return 2 * numel
-    if optimizer == "sgd":
-        return numel
-    if len(shape) < 2:
-        return numel
-    batch = numel // (shape[-2] * shape[-1])     # leading dims: a stack of matrices
-    return batch * (shape[-2] + shape[-1])
+def _refused(optimizer, kwargs, stage):
+    """Why zerolab's engines refuse ``optimizer`` at ``stage``, or None: they partition flat slices of
+    the parameters from stage 1 on, which is exact only for an elementwise update; and they step
+    without a closure (tried here: a step without one on a one-element parameter)."""
+    if stage >= 1 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
+        return f"its update is not elementwise, so a flat 1/N slice cannot step alone (stage {stage})"
+    p = torch.zeros(1, requires_grad=True)
+    p.grad = torch.zeros(1)
+    try:
+        optimizer([p], **kwargs).step()
+    except TypeError as exc:
+        return f"it cannot step without a closure, which the engines do not pass ({exc})"
+    return None
 
 
-def model_state_bytes(shapes, world_size, stage, *, optimizer="adam", mixed_precision=True, offload=False):
+def model_state_bytes(shapes, world_size, stage, *, optimizer, optimizer_kwargs=None, mixed_precision=True,
+                      offload=False):
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if optimizer not in ("adam", "sgd", "adafactor"):
-        raise ValueError(f"optimizer must be 'adam', 'sgd' or 'adafactor', got {optimizer!r}")
-    if optimizer == "adafactor" and stage >= 1:
-        # a factored second moment (a row and a column statistic per matrix) cannot be cut into the
-        # flat 1/N slices ZeRO partitions; zerolab's engines refuse it at stages 1-3
-        raise ValueError(f"optimizer='adafactor' at stage {stage}: its factored state cannot be "
-                         f"partitioned into flat slices; zerolab's engines refuse it (use stage 0)")
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        raise ValueError(f"optimizer must be a torch optimizer class such as torch.optim.Adam, got {optimizer!r}")
+    kwargs = dict(optimizer_kwargs or {})
+    why = _refused(optimizer, kwargs, stage)
+    if why:
+        raise ValueError(f"{optimizer.__name__} at stage {stage}: zerolab's engines refuse it: {why}")
     if offload and stage == 0:
         raise ValueError("offload needs a sharded optimizer (stage 1, 2 or 3), got stage 0")
     shapes = [tuple(s) for s in shapes]
-    psi = sum(_numel(s) for s in shapes)
-    states = 4 * sum(_state_elements(s, optimizer) for s in shapes)      # the optimizer's state is fp32
+    if not shapes or any(len(s) == 0 or any(int(d) != d or d < 1 for d in s) for s in shapes):
+        raise ValueError(f"shapes must be a non-empty list of shapes with positive integer sizes, got {shapes!r}")
+    psi = sum(math.prod(s) for s in shapes)
+    # The optimizer's own state is fp32 (it updates the fp32 master in mixed precision, ZeRO Sec. 3.1).
+    per_shape = {s: _state_elements(s, optimizer, kwargs) for s in set(shapes)}   # each shape once
+    states = 4 * sum(per_shape[s] for s in shapes)
     param = grad = 2 if mixed_precision else 4
-    master = 4 * psi if mixed_precision else 0                          # ZeRO Sec. 3.1's fp32 master
+    master = 4 * psi if mixed_precision else 0
     n = world_size
-    # ZeRO Sec. 5.1: P_os from stage 1, P_g from stage 2, P_p at stage 3.
+    # ZeRO Sec. 5.1: P_os from stage 1, P_g from stage 2, P_p at stage 3; a share is exactly 1/N.
     params = param * psi / (n if stage >= 3 else 1)
     grads = grad * psi / (n if stage >= 2 else 1)
     optim = (master + states) / (n if stage >= 1 else 1)
     host = 0
     if offload:
-        # ZeRO-Offload: the owned gradient shard, an fp32 copy of the owned parameters, the state
+        # zerolab's offload engines (ZeRO-Offload Sec. 4.1): the rank's optimizer state and its
+        # gradient shard go to the host, with an fp32 copy of its parameter shard to update (the
+        # master in mixed precision; its own copy in fp32, since the device's parameters cannot be
+        # it). The device keeps the parameters as the stage has them, and at stage 1 its full gradient.
         host = (grad * psi + 4 * psi + states) / n
         optim = 0
         grads = grads if stage == 1 else 0
