@@ -49,15 +49,28 @@ void stream_triad(float *a, const float *b, const float *c, float q, int64_t n, 
     #pragma omp parallel for simd schedule(static) num_threads(t)
     for (int64_t i = 0; i < n; i++) a[i] = b[i] + q * c[i];
 }
-void adam_traffic_f32(float *p, const float *g, float *m, float *v, int64_t n, int t) {
+/* AdamW's traffic, written as zerolab/cpu_adam.py's one-pass kernel is (each stream loaded once into a
+   local, every store after the loads, restrict pointers), its arithmetic cut down to one add per stream:
+   a loop that moves what the kernel moves and does less, so the kernel cannot beat it by being better
+   written. The first version (in-place += on possibly aliased pointers) ran 5% slower than the real
+   kernel on a quiet 2-core EPYC: the benchmark failed loudly, as it should. */
+void adam_traffic_f32(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
+                      int64_t n, int t) {
     #pragma omp parallel for simd schedule(static) num_threads(t)
-    for (int64_t i = 0; i < n; i++) { float gi = g[i]; m[i] += gi; v[i] += gi; p[i] -= m[i]; }
+    for (int64_t i = 0; i < n; i++) {
+        float gi = g[i], pi = p[i], mi = m[i], vi = v[i];
+        mi = mi + gi; vi = vi + gi; pi = pi - mi;
+        p[i] = pi; m[i] = mi; v[i] = vi;
+    }
 }
-void adam_traffic_bf16(float *p, const uint16_t *g, float *m, float *v, uint16_t *out, int64_t n, int t) {
+void adam_traffic_bf16(float *restrict p, const uint16_t *restrict g, float *restrict m, float *restrict v,
+                       uint16_t *restrict out, int64_t n, int t) {
     #pragma omp parallel for simd schedule(static) num_threads(t)
     for (int64_t i = 0; i < n; i++) {
         uint32_t u = (uint32_t)g[i] << 16; float gi; memcpy(&gi, &u, 4);
-        m[i] += gi; v[i] += gi; float pi = p[i] - m[i]; p[i] = pi;
+        float pi = p[i], mi = m[i], vi = v[i];
+        mi = mi + gi; vi = vi + gi; pi = pi - mi;
+        p[i] = pi; m[i] = mi; v[i] = vi;
         uint32_t w; memcpy(&w, &pi, 4); out[i] = (uint16_t)(w >> 16);
     }
 }
