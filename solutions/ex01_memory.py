@@ -82,8 +82,8 @@ def _refused(optimizer, kwargs, stage):
     without a closure (tried here: a step without one on a one-element parameter)."""
     if stage >= 1 and not issubclass(optimizer, ELEMENTWISE_OPTIMIZERS):
         return f"its update is not elementwise, so a flat 1/N slice cannot step alone (stage {stage})"
-    p = torch.zeros(1, requires_grad=True)
-    p.grad = torch.zeros(1)
+    p = torch.zeros(1, 1, requires_grad=True)      # a matrix: some optimizers (Muon) take nothing else
+    p.grad = torch.zeros(1, 1)
     try:
         optimizer([p], **kwargs).step()
     except TypeError as exc:

@@ -61,8 +61,8 @@ REDUCE_DTYPES = (None, torch.float64, torch.float32, torch.bfloat16, torch.float
 # parameters (what ZeRO's partitioning relies on, Sec. 5.1). Not here: Adafactor (its second moment is
 # factored into row and column statistics of each matrix: a flat slice has no rows), Muon (it
 # orthogonalises each matrix's momentum, Newton-Schulz on the whole matrix), LBFGS (a closure,
-# and a history over the whole parameter vector), SparseAdam (sparse gradients only), and any class
-# outside torch (its update is not known to be elementwise).
+# and a history over the whole parameter vector), SparseAdam (sparse gradients only), and any other
+# class (its update is not known to be elementwise); a subclass of one listed is taken at its word.
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adadelta,
                           torch.optim.Adagrad, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
                           torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
