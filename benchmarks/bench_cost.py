@@ -110,7 +110,7 @@ def _corrected(profile, rows):
     verdict = ("the same count as with 1/3: the split is not what the forward misses come from"
                if after == before else f"against {before} with 1/3"
                + (": the split is not what the forward misses come from" if after < before else ""))
-    return (f"{phases - len(misses)} of {phases} phases are within ±{TARGET:.0%}, {verdict}"
+    return (f"{after} of {phases} phases are within ±{TARGET:.0%}, {verdict}"
             + (" (outside: " + ", ".join(f"N={r['world_size']} stage {r['stage']} {p} ({e:+.0%})"
                                           for r, p, e in misses) + ")" if misses else ""))
 
