@@ -9,7 +9,9 @@ zerolab's engine at stage 3 (one flat buffer per unit, its own sharded AdamW) be
 * step time: median over ``--steps`` steps, the configurations interleaved step by step so that
   machine load hits all of them alike (the first step of each is a warm-up, not counted);
 * peak memory: the most CPU tensor bytes live at once on rank 0 over building the model and two
-  steps (``zerolab.memory.allocation_trace``), in a separate run (the profiler slows steps down);
+  steps (``zerolab.memory.allocation_trace``), in separate runs (the profiler slows steps down),
+  ``MEMORY_ROUNDS`` of them per configuration in rotating order: a peak moves by several MB from one
+  run to the next, FSDP2's too, so the ratio is a paired median with its middle half;
 * after the step and ``zero_grad()``: a census of every live tensor on rank 0
   (``zerolab.memory.live_tensor_bytes``); theory 12Ψ/N (fp32 shards 4 + Adam's moments 8).
 
@@ -22,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks import Section
+from benchmarks import Section, protocol
 from zerolab import Cluster, models
 
 MODEL = dict(vocab_size=256, d_model=256, n_layers=4, n_heads=4, seq_len=64)
@@ -97,21 +99,25 @@ def _memory(config, param_dtype):
     return trace["peak"], after
 
 
+MEMORY_ROUNDS = protocol.MIN_ROUNDS   # a peak moves from run to run (FSDP2's too): paired rounds, not one
+
+
 def _measure(steps):
     out = {}
     for label, param_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         times = _times(param_dtype, steps)
-        memory = {}
-        for c in CONFIGS:
-            dist.barrier()
-            memory[c] = _memory(c, param_dtype)
+        memory = {c: [] for c in CONFIGS}            # {config: [(peak, live) per round]}
+        for r in range(MEMORY_ROUNDS):
+            for c in protocol.order(list(CONFIGS), r):   # the order rotates from round to round
+                dist.barrier()
+                memory[c].append(_memory(c, param_dtype))
         out[label] = (times, memory)
     return out
 
 
 def main(world_sizes=(2,), steps=8):
-    rows = ["| ranks | compute | configuration | step (ms) | / FSDP2 | peak memory (MB) | / FSDP2 "
-            "| live after step, zero_grad (MB) |",
+    rows = ["| ranks | compute | configuration | step (ms) | / FSDP2 | peak memory (MB), median (range) | "
+            "/ FSDP2, paired | live after step, zero_grad (MB) |",
             "|---:|---|---|---:|---:|---:|---:|---:|"]
     headlines = []
     psi = sum(p.numel() for p in models.build("gpt", seed=0, **MODEL).parameters())
@@ -119,15 +125,19 @@ def main(world_sizes=(2,), steps=8):
         with Cluster(n, timeout=900) as cluster:
             measured = cluster.run(_measure, steps)[0]
         for label, (times, memory) in measured.items():
-            ref_t, ref_m = times["FSDP2 fully_shard"], memory["FSDP2 fully_shard"][0]
+            peaks = {c: [peak for peak, _ in memory[c]] for c in CONFIGS}
+            ref_t = times["FSDP2 fully_shard"]
+            paired = {c: protocol.Ratio.of(peaks[c], peaks["FSDP2 fully_shard"]) for c in CONFIGS}
             headlines += [(f"zerolab.fully_shard / torch FSDP2 fully_shard, step time, {label}, {n} ranks",
                            f"{times['zerolab.fully_shard'] / ref_t:.2f}", "below 1: zerolab is faster"),
-                          (f"zerolab.fully_shard / torch FSDP2 fully_shard, peak memory, {label}, {n} ranks",
-                           f"{memory['zerolab.fully_shard'][0] / ref_m:.2f}", "below 1: zerolab peaks lower")]
+                          protocol.headline(f"zerolab.fully_shard / torch FSDP2 fully_shard, peak memory, {label}, "
+                                            f"{n} ranks", paired["zerolab.fully_shard"],
+                                            below="zerolab peaks lower", above="FSDP2 peaks lower")]
             for c in CONFIGS:
-                peak, live = memory[c]
+                live = statistics.median(lv for _, lv in memory[c])
                 rows.append(f"| {n} | {label} | {c} | {times[c] * 1e3:.0f} | {times[c] / ref_t:.2f} | "
-                            f"{peak / 1e6:.1f} | {peak / ref_m:.2f} | {live / 1e6:.2f} |")
+                            f"{statistics.median(peaks[c]) / 1e6:.1f} ({min(peaks[c]) / 1e6:.1f}-"
+                            f"{max(peaks[c]) / 1e6:.1f}) | {paired[c]} | {live / 1e6:.2f} |")
     head = (f"### fully_shard vs FSDP2 (TinyGPT {MODEL}, Ψ = {psi / 1e6:.2f} M parameters, batch {BATCH} per "
             f"rank, AdamW, fp32 shards; bf16: param_dtype bf16, gradients reduced in fp32; rank 0). "
             f"Live after step and zero_grad, theory: 12Ψ/N = {12 * psi / 2 / 1e6:.2f} MB at N = 2 (stage 3 in bf16 "
