@@ -15,9 +15,9 @@ gradients on 2 real ranks; and a step that raises after its backward pass, after
 the measurement may remain and the step's own exception must have come out. The accounting (01.2) is
 checked exactly against closed forms derived here from the same sources the stub names (ZeRO Sec. 3.1
 and 5.1; ZeRO-Offload's placement as zerolab's offload engines hold it), with each optimizer's state
-MEASURED here on torch's own optimizers (fifteen classes and arguments that step; lesson 01 tabulates
-Adam and SGD with and without momentum, not amsgrad, centered RMSprop, Adagrad, Rprop, NAdam, Adamax,
-RAdam, Adadelta, ASGD or Adafactor's factored state) for every shape: every kind on the device and the host total, at every stage, in both precisions, with and without offload, for a
+MEASURED here on torch's own optimizers (thirteen classes and arguments; lesson 01 tabulates Adam and
+SGD with and without momentum, not amsgrad, centered RMSprop, Adagrad, Rprop, NAdam, Adamax, RAdam or
+Adafactor's factored state) for every shape: every kind on the device and the host total, at every stage, in both precisions, with and without offload, for a
 model given by its parameter shapes (vectors, matrices with one row or one column, 3-D and 4-D stacks);
 on the paper's worked example and on totals no N divides (no rounding, no padding); the settings
 that do not exist, and those zerolab's engines accept."""
