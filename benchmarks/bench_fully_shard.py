@@ -11,7 +11,7 @@ zerolab's engine at stage 3 (one flat buffer per unit, its own sharded AdamW) be
   ratio to FSDP2 is a paired median (one ratio per step) with its middle half;
 * peak memory: the most CPU tensor bytes live at once on rank 0 over building the model and two
   steps (``zerolab.memory.allocation_trace``), in separate runs (the profiler slows steps down),
-  ``MEMORY_ROUNDS`` of them per configuration in rotating order: a peak moves by several MB from one
+  ``protocol.MIN_ROUNDS`` of them per configuration in rotating order: a peak moves by several MB from one
   run to the next, FSDP2's too, so the ratio is a paired median with its middle half;
 * after the step and ``zero_grad()``: a census of every live tensor on rank 0
   (``zerolab.memory.live_tensor_bytes``); theory 12Ψ/N (fp32 shards 4 + Adam's moments 8).
@@ -93,6 +93,7 @@ def _times(param_dtype, steps):
 
 def _memory(config, param_dtype):
     from zerolab.memory import allocation_trace, live_tensor_bytes
+    dist.barrier()
     gc.collect()      # what an earlier run left to the collector is freed now, not inside this trace
     before = live_tensor_bytes().get("cpu", 0)
     with allocation_trace() as trace:
@@ -103,18 +104,12 @@ def _memory(config, param_dtype):
     return trace["peak"], after
 
 
-MEMORY_ROUNDS = protocol.MIN_ROUNDS   # a peak moves from run to run (FSDP2's too): paired rounds, not one
-
-
 def _measure(steps):
     out = {}
     for label, param_dtype in (("fp32", None), ("bf16", torch.bfloat16)):
         times = _times(param_dtype, steps)
-        memory = {c: [] for c in CONFIGS}            # {config: [(peak, live) per round]}
-        for r in range(MEMORY_ROUNDS):
-            for c in protocol.order(list(CONFIGS), r):   # the order rotates from round to round
-                dist.barrier()
-                memory[c].append(_memory(c, param_dtype))
+        # a peak moves from run to run (FSDP2's too): paired rounds, not one; {config: [(peak, live)]}
+        memory = protocol.values({c: lambda r, c=c: _memory(c, param_dtype) for c in CONFIGS})
         out[label] = (times, memory)
     return out
 

@@ -10,7 +10,7 @@ TinyGPT, the same gloo group and the same data, in one run; data parallelism (st
 * peak memory: the most CPU tensor bytes live at once on rank 0, from before the model is built
   through two training steps (``zerolab.memory.allocation_trace``: torch's profiler, every
   allocation and free; the CPU analogue of ``torch.cuda.max_memory_allocated``), measured in
-  separate runs because the profiler slows the steps down, ``MEMORY_ROUNDS`` per configuration in
+  separate runs because the profiler slows the steps down, ``protocol.MIN_ROUNDS`` per configuration in
   rotating order (a peak moves from run to run): a paired median with its middle half;
 * model states: what is still live after the step (parameters, gradients, optimizer states; FSDP2
   and stage 3 hold 1/N of them).
@@ -81,6 +81,7 @@ def _times(configs, steps):
 
 def _peak(config):
     from zerolab.memory import allocation_trace
+    dist.barrier()
     gc.collect()      # what an earlier run left to the collector is freed now, not inside this trace
     with allocation_trace() as trace:
         model, step = _build(config)
@@ -89,16 +90,10 @@ def _peak(config):
     return trace["peak"], trace["end"]
 
 
-MEMORY_ROUNDS = protocol.MIN_ROUNDS   # a peak moves from run to run (FSDP2's too): paired rounds, not one
-
-
 def _measure(configs, steps):
     times = _times(configs, steps)
-    memory = {c: [] for c in configs}                  # {config: [(peak, end) per round]}
-    for r in range(MEMORY_ROUNDS):
-        for c in protocol.order(list(configs), r):
-            dist.barrier()
-            memory[c].append(_peak(c))
+    # a peak moves from run to run (FSDP2's too): paired rounds, not one; {config: [(peak, end)]}
+    memory = protocol.values({c: lambda r, c=c: _peak(c) for c in configs})
     psi = sum(p.numel() for p in models.build("gpt", seed=0, **MODEL).parameters())
     return times, memory, psi
 

@@ -71,6 +71,18 @@ def rounds(contenders, *, timed=7, warmup=1, clock=local_clock):
     return times
 
 
+def values(contenders, *, rounds=MIN_ROUNDS):
+    """:func:`rounds` for a measure that is not a time (a peak's bytes): every contender once per round
+    in :func:`order`, no warm-up. ``contenders``: {name: fn(round) -> value}. Returns {name: [value in
+    each round]}, the rounds aligned across names."""
+    names = list(contenders)
+    out = {n: [] for n in names}
+    for r in range(rounds):
+        for n in order(names, r):
+            out[n].append(contenders[n](r))
+    return out
+
+
 @dataclass
 class Ratio:
     """Paired ratios a/b, one per round, and how to read them."""
