@@ -79,11 +79,17 @@ def test_predict_adds_the_terms_by_hand():
     assert t["step"] == pytest.approx(0.5e-3)
 
 
-def test_slowest_rank_per_phase():
+def test_phases_on_the_groups_timeline():
     per_rank = [{"phases": {"2": [(1.0, 2.0, 3.0), (5.0, 1.0, 1.0), (1.0, 1.0, 1.0)]}},
                 {"phases": {"2": [(2.0, 1.0, 1.0), (1.0, 4.0, 2.0), (3.0, 1.0, 1.0)]}}]
-    # per round the slower rank, phase by phase: (2, 2, 3), (5, 4, 2), (3, 1, 1) -> medians 3, 2, 2
-    assert calibrate.slowest_phases(per_rank, "2") == [3.0, 2.0, 2.0]
+    # each rank's phase ends, from its step's start: round 1 (1, 3, 6) and (2, 3, 4); round 2 (5, 6, 7) and
+    # (1, 5, 7); round 3 (1, 2, 3) and (3, 4, 5). A phase ends when its last rank ends it: (2, 3, 6), (5, 6, 7),
+    # (3, 4, 5), so the phases last (2, 1, 3), (5, 1, 1), (3, 1, 1) -> medians 3, 1, 1. The slowest rank's
+    # time phase by phase, (2, 2, 3), (5, 4, 2), (3, 1, 1), would count rank 1's late forward in round 1 twice:
+    # medians 3, 2, 2, and round 2's phases would add up to 11 for a step of 7.
+    assert calibrate.slowest_phases(per_rank, "2") == [3.0, 1.0, 1.0]
+    steps = [max(map(sum, ranks)) for ranks in zip(*(r["phases"]["2"] for r in per_rank))]
+    assert steps == [6.0, 7.0, 5.0]          # each round's phases, on the timeline, add up to its step
 
 
 def test_caching_allocator_sets_and_restores(monkeypatch):
@@ -129,3 +135,27 @@ def test_bench_cost_runs_and_writes_a_valid_profile(tmp_path):
     for what, ratio, reading in text.headlines:
         assert f"| {what} | {ratio} | {reading} |" in summary
         assert float(ratio) > 0 and "within ±25%" in reading
+
+
+def test_each_miss_is_named_with_the_measured_cause_that_accounts_for_it_or_none():
+    from benchmarks import bench_cost
+
+    def profile(fwd_then_bwd):           # ms; the bare forward 12 of a forward + backward of 30 (1.2x a third)
+        raw = {"fwd": 12.0, "fwd_bwd": 30.0, "cpu fwd": 12.0, "cpu forward 0": 13.2, "cpu forward 3": 12.0,
+               "fwd_then_bwd": fwd_then_bwd, "cpu fwd_then_bwd": 12.0}
+        return {"cores": 2, "raw": {"4": raw}}
+
+    def row(stage, forward, step, spread, gathers=()):
+        return {"world_size": 4, "stage": stage, "schedule": {"forward": list(gathers)},
+                "links": {"forward": 10.0, "step": 5.0}, "phases": [forward, 1.0, step], "spread": [0.0, spread, 0.0]}
+    r0, r3 = row("0", 20.0, 3.0, 4.0), row("3", 20.0, 3.0, 2.0, gathers=[("all_gather", 8)])
+    misses = [(r0, "forward", -0.5), (r0, "step", 5 / 3 - 1), (r3, "forward", -0.5), (r3, "step", 5 / 3 - 1)]
+    # the forward's wall time grows 1.5x when the ranks go straight on into their backward, its CPU time
+    # does not: 10 ms x 1.2 (split) x 1.1 (the engine's CPU) x 1.5 (waiting) = 19.8 ms against 20 measured
+    causes = bench_cost.explain(profile(18.0), [r0, r3], misses)
+    assert "together -1%" in causes[4, "0", "forward"] and "waiting for a core 1.50x" in causes[4, "0", "forward"]
+    assert "4000.0 ms apart" in causes[4, "0", "step"]      # (seconds here) the ranks ended their backward further apart
+    assert causes[4, "3", "step"] is None                   # 2 ms apart: less than the 3 ms step
+    assert causes[4, "3", "forward"] is None                # a forward with collectives in it: no such factors
+    # no waiting: 10 x 1.2 x 1.1 = 13.2 ms is still -34% of 20: not accounted for
+    assert bench_cost.explain(profile(12.0), [r0], misses[:1])[4, "0", "forward"] is None

@@ -10,7 +10,9 @@ down, and that is part of this machine's profile):
   for the two halves the ZeRO engines launch instead, each of one phase, t(S) = (N-1)·α + (N-1)/N·S/B:
   gloo's all_gather and the ring reduce-scatter from send/recv (``zerolab.ring``, the engines' choice on gloo); on
   gloo they do NOT run at half an all_reduce's time each, and :func:`fit_links` says by how much;
-* compute: the model's forward + backward alone; effective FLOP/s = 6·Ψ·tokens / time (MFU folded in);
+* compute: the model's forward + backward alone; effective FLOP/s = 6·Ψ·tokens / time (MFU folded in).
+  Not used to predict, the forward alone, in wall and CPU time, twice: with the ranks waiting at a
+  barrier after it, and with every rank going straight on into its backward as in a step (:func:`_forward`);
 * optimizer: torch AdamW on one flat fp32 tensor, as :class:`zerolab.shard_optim.ShardOptimizer` runs
   it on the device (torch's default kernel), and as :mod:`zerolab.offload` runs it on the host (its
   fused CPU kernel when there is one, the paper's "CPU-Adam");
@@ -18,7 +20,8 @@ down, and that is part of this machine's profile):
 
 :func:`measure` runs those probes AND one training step of every stage in rounds, one after the
 other, so that load from anything else on the machine hits all of them alike; medians over rounds
-of the slowest rank, for the step and for each of its phases (forward, backward, optimizer step).
+of the slowest rank, for the step and for each of its phases (forward, backward, optimizer step) on
+the group's timeline (:func:`slowest_phases`), with the engine's forward in CPU time too.
 :func:`predict` then costs each stage with :func:`zerolab.cost.step_time`, phase by phase: with
 the paper's schedule (2Ψ or 3Ψ, one collective per phase) or with the collectives the engine really
 launched in each phase of one step (one per bucket or unit, each paying its latency), on the
@@ -98,10 +101,6 @@ def _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel):
         model(x, y).backward()
         model.zero_grad(set_to_none=True)
     probes["fwd_bwd"] = fwd_bwd
-
-    def fwd():
-        model(x, y)          # the forward alone, its graph built as in training, then dropped
-    probes["fwd"] = fwd      # not used to predict: it measures the 2:4 split the model assumes
     from zerolab.offload import host_optimizer
     for name, fused in (("adam", False), ("host_adam", None)):   # optimizer: AdamW on one flat shard,
         p = torch.zeros(adam_numel, requires_grad=True)          # the device's kernel and the host's
@@ -111,7 +110,26 @@ def _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel):
     probes["copy"] = lambda: dst.copy_(src)                  # host link: a copy
     info = {"psi": sum(q.numel() for q in dict.fromkeys(model.parameters())), "tokens": x.numel(),
             "adam_numel": adam_numel, "copy_bytes": copy_numel * 4}
-    return probes, info
+    return probes, (model, x, y), info
+
+
+def _forward(model, x, y, *, then_backward):
+    """The forward alone, timed from a barrier: (wall seconds, this process's CPU seconds). Not used to
+    predict; two questions about the model's compute. Alone (the graph dropped, the rank then waits at
+    the next barrier), its share of forward + backward is the 2:4 split the model assumes. Followed at
+    once by the backward (``then_backward``, not timed), as in a training step: the ranks that finish
+    their forward first start their backward while the others are still in theirs, and where ranks
+    outnumber cores they take cores the others' forward needs. CPU seconds tell waiting for a core from
+    doing more work."""
+    import torch.distributed as dist
+    dist.barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
+    loss = model(x, y)                   # the graph is built as in training
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if then_backward:
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    return wall, cpu
 
 
 def _phase_schedule(engine, model, step, batch_size):
@@ -135,22 +153,23 @@ def _phase_schedule(engine, model, step, batch_size):
 
 
 def _train_step(engine, model, step, batch_size):
-    """One training step on this rank's batch: (seconds, forward, backward, optimizer step)."""
+    """One training step on this rank's batch: (seconds, forward, backward, optimizer step, the
+    forward's CPU seconds in this process)."""
     import torch.distributed as dist
 
     from zerolab import models
     rank, n = dist.get_rank(), dist.get_world_size()
     x, y = models.batch("gpt", seed=step * n + rank, batch_size=batch_size, model=model)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = engine(x, y)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     engine.backward(loss)
     t2 = time.perf_counter()
     engine.step()
     t3 = time.perf_counter()
     engine.zero_grad()
-    return t3 - t0, t1 - t0, t2 - t1, t3 - t2
+    return t3 - t0, t1 - t0, t2 - t1, t3 - t2, c1 - c0
 
 
 def measure(stages=STAGES, model_kwargs=None, batch_size=BATCH, rounds=6, *, sizes=SIZES,
@@ -164,7 +183,7 @@ def measure(stages=STAGES, model_kwargs=None, batch_size=BATCH, rounds=6, *, siz
     from zerolab import models
     from zerolab.stages import parse_stage
     model_kwargs = dict(MODEL if model_kwargs is None else model_kwargs)
-    probes, info = _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel)
+    probes, (probe_model, x, y), info = _probes(model_kwargs, batch_size, sizes, adam_numel, copy_numel)
     engines, errors = {}, {}
     for spec in stages:
         stage, offload = parse_stage(spec)
@@ -173,18 +192,26 @@ def measure(stages=STAGES, model_kwargs=None, batch_size=BATCH, rounds=6, *, siz
             engines[spec] = (zerolab.initialize(model, stage=stage, offload=offload, lr=1e-3), model)
         except (ValueError, NotImplementedError) as exc:   # raised alike on every rank
             errors[spec] = f"{type(exc).__name__}: {exc}"
-    times = {name: [] for name in list(probes) + list(engines)}
+    forwards = {"fwd": False, "fwd_then_bwd": True}
+    times = {name: [] for name in list(probes) + list(forwards) + [f"cpu {f}" for f in forwards] + list(engines)
+             + [f"cpu forward {spec}" for spec in engines]}
     phases = {spec: [] for spec in engines}
     for r in range(rounds + 1):
         for name, fn in probes.items():
             t = _timed(fn)
             if r:
                 times[name].append(t)
+        for name, then_backward in forwards.items():
+            wall, cpu = _forward(probe_model, x, y, then_backward=then_backward)
+            if r:
+                times[name].append(wall)
+                times[f"cpu {name}"].append(cpu)
         for spec, (engine, model) in engines.items():
             t = _train_step(engine, model, r, batch_size)
             if r:
                 times[spec].append(t[0])
-                phases[spec].append(t[1:])
+                phases[spec].append(t[1:4])
+                times[f"cpu forward {spec}"].append(t[4])
     schedule = {spec: _phase_schedule(engine, model, rounds + 1, batch_size)
                 for spec, (engine, model) in engines.items()}
     psi = {spec: sum(p.numel() for p in dict.fromkeys(model.parameters())) for spec, (_, model) in engines.items()}
@@ -215,7 +242,8 @@ def fit_hardware(per_rank, world_size):
     from zerolab import cost
     n, info = world_size, per_rank[0]["info"]
     raw = {name: slowest_median(per_rank, name) for name in per_rank[0]["times"]
-           if name in ("fwd_bwd", "fwd", "adam", "host_adam", "copy") or name.split()[0] in PHASES}
+           if name in ("fwd_bwd", "fwd", "fwd_then_bwd", "adam", "host_adam", "copy")
+           or name.split()[0] in PHASES or name.startswith("cpu ")}
     bandwidth, latency = _alpha_beta(raw, "all_reduce", n)   # two sizes, two unknowns
     flops = 6 * info["psi"] * info["tokens"] / raw["fwd_bwd"]      # effective, MFU folded in
     hw = cost.Hardware(name=f"this machine, {n} ranks at once (gloo, CPU)", device_memory=0.0,
@@ -250,19 +278,38 @@ def predict(num_params, spec, world_size, hw, *, tokens, schedule=None, links=No
 
 
 def slowest_phases(per_rank, spec):
-    """(forward, backward, step) seconds: per round the slowest rank's time of each phase, then the
-    median over rounds (as :func:`slowest_median` for whole steps)."""
-    rounds = zip(*(r["phases"][spec] for r in per_rank))          # per round: one (f, b, s) per rank
-    per_round = [tuple(max(rank[i] for rank in ranks) for i in range(3)) for ranks in rounds]
+    """(forward, backward, step) seconds on the group's timeline, as the cost model lays a step out:
+    per round, a phase is over when its LAST rank is done with it (each rank's clock started at the
+    barrier before the step) and lasts from the end of the phase before; then the median over rounds.
+    In each round the three add up to the slowest rank's step (:func:`slowest_median`). (The slowest
+    rank's time in each phase, taken phase by phase, does not: a rank that finished its forward early
+    waits in its backward's collective for the late one, and the late rank's delay counts twice.)"""
+    per_round = []
+    for ranks in zip(*(r["phases"][spec] for r in per_rank)):    # per round: one (f, b, s) per rank
+        ends = [max(sum(rank[:i + 1]) for rank in ranks) for i in range(3)]
+        per_round.append((ends[0], ends[1] - ends[0], ends[2] - ends[1]))
+    return [statistics.median(r[i] for r in per_round) for i in range(3)]
+
+
+def end_spread(per_rank, spec):
+    """(forward, backward, step): how far apart the ranks end each phase (the last rank's end minus the
+    first's, each rank's clock started at the barrier before the step), the median over rounds. A rank
+    that ends its backward this much before the last one has started its step before the step phase on
+    the group's timeline (:func:`slowest_phases`) begins."""
+    per_round = []
+    for ranks in zip(*(r["phases"][spec] for r in per_rank)):
+        ends = [[sum(rank[:i + 1]) for rank in ranks] for i in range(3)]
+        per_round.append([max(e) - min(e) for e in ends])
     return [statistics.median(r[i] for r in per_round) for i in range(3)]
 
 
 def compare(per_rank, world_size):
     """Fit the profile and predict every measured stage: (Hardware, links, raw, rows), one row per
-    stage: {"stage", "psi", "measured", "phases", "calls", "paper", "ours", "links"} (seconds):
-    "phases" the measured (forward, backward, step); "paper" the paper's schedule on the all_reduce's
-    link, "ours" the engine's collectives on the all_reduce's link, "links" the engine's collectives
-    each on its own link (each a zerolab.cost.step_time result, per phase and in total)."""
+    stage: {"stage", "psi", "measured", "phases", "spread", "calls", "paper", "ours", "links"} (seconds):
+    "phases" the measured (forward, backward, step), "spread" how far apart the ranks end each;
+    "paper" the paper's schedule on the all_reduce's link, "ours" the engine's collectives on the
+    all_reduce's link, "links" the engine's collectives each on its own link (each a
+    zerolab.cost.step_time result, per phase and in total)."""
     hw, raw = fit_hardware(per_rank, world_size)
     links = fit_links(raw, world_size, hw)
     r0, rows = per_rank[0], []
@@ -270,6 +317,7 @@ def compare(per_rank, world_size):
         psi, kw = r0["psi"][spec], dict(tokens=raw["tokens"])
         rows.append({"world_size": world_size, "stage": spec, "psi": psi,
                      "measured": slowest_median(per_rank, spec), "phases": slowest_phases(per_rank, spec),
+                     "spread": end_spread(per_rank, spec),
                      "calls": sum(len(c) for c in schedule.values()), "schedule": schedule,
                      "paper": predict(psi, spec, world_size, hw, **kw),
                      "ours": predict(psi, spec, world_size, hw, schedule=schedule, **kw),
