@@ -11,7 +11,12 @@ every contender once, in rotating order, each time the slowest rank's.
   in bytes a rank sends per second; the fastest is the ceiling of that round, every row's bus bandwidth
   a fraction of it (paired, and best round over best round), and a row above it out of the noise fails
   the benchmark (a lucky best round alone: a printed warning);
-* ring / gloo: the paired time ratio.
+* ring / gloo: the paired time ratio;
+* CPU time (at the largest size, in rounds of their own): each call's CPU seconds summed over the ranks'
+  processes, gloo's transport threads included (protocol.cpu_all_ranks), ring / gloo paired, and the
+  cores busy (CPU time over wall time times the cores); for the all_reduce, user and system time apart.
+  Where the cores are saturated, a collective's time follows the CPU work it gives them, and that,
+  not a link, is what a ring from send/recv competes on against gloo's ring.
 
 Of note: gloo's reduce_scatter is emulated with a whole all_reduce (2x the ideal bytes, and a
 full-size temporary), so a ring reduce-scatter that sends the ideal (N-1)/N S can take about half
@@ -19,6 +24,7 @@ its time, the target here being 0.6x; gloo's all_reduce is its own well-optimise
 ring from send/recv should match.
 """
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -71,7 +77,39 @@ def _measure(sizes_mb, timed):
             contenders[key] = _p2p(mb * 2**20, both)
             ideal[key] = mb * 2**20
     times = protocol.rounds(contenders, timed=timed, clock=protocol.slowest_rank())
-    return {key: (ts, ideal[key]) for key, ts in times.items()}
+    mb = max(sizes_mb)                # the same calls again, in CPU seconds of all ranks (gloo's threads too)
+    cpu = protocol.rounds({key: fn for key, fn in contenders.items() if key[0] in OPS and key[1] == mb},
+                          timed=timed, clock=protocol.cpu_all_ranks())
+    for part in ("user", "system"):             # the all_reduce's CPU time, split: the ranks' own code, the kernel
+        split = protocol.rounds({key: fn for key, fn in contenders.items() if key[0] == "all_reduce" and key[1] == mb},
+                                timed=timed, clock=protocol.cpu_all_ranks(part=part))
+        cpu.update({key + (part,): ts for key, ts in split.items()})
+    return {key: (ts, ideal[key]) for key, ts in times.items()}, cpu
+
+
+def _cpu_reading(bound, cores):
+    """What the CPU rounds say about the ring all-reduce against gloo's, per N, from the measurement:
+    {N: (time ratio, CPU-time ratio, the lower of the two calls' cores-busy fractions,
+    {"user" | "system": (gloo's, the ring's median CPU seconds)})}."""
+    out = []
+    for n, (time_ratio, cpu_ratio, busy, parts) in bound.items():
+        (gu, ru), (gs, rs) = parts["user"], parts["system"]
+        reading = (f"{n} ranks: the ring all-reduce takes {time_ratio} of gloo's time and spends {cpu_ratio} of its CPU "
+                   f"time (user {ru * 1e3:.0f} ms against gloo's {gu * 1e3:.0f}, system {rs * 1e3:.0f} against "
+                   f"{gs * 1e3:.0f}: medians of their own rounds), the cores busy at least {busy:.2f} of either call")
+        if busy >= 0.8:
+            reading += (": the call is bound by this machine's cores, which do all the moving (each byte sent is copied "
+                        "into the kernel and out of it again, on loopback TCP) and the adds, so its time follows the "
+                        "CPU work it gives them. A ring from send/recv moves the same bytes through the same kernel "
+                        "copies as gloo's ring; what it can change is its own code")
+            if ru > gu:
+                reading += (f", and that costs {(ru - gu) * 1e3:.0f} ms more user time than gloo's (the same adds, and a Python "
+                            "call per piece where gloo's ring runs in C++)")
+        else:
+            reading += (": the cores are not saturated, so part of the call is spent waiting, which this measurement "
+                        "does not place")
+        out.append(reading + ".")
+    return " ".join(out)
 
 
 def main(sizes_mb=SIZES_MB, timed=7):
@@ -80,9 +118,13 @@ def main(sizes_mb=SIZES_MB, timed=7):
     ceiling_rows = ["| ranks in the group | send/recv between ranks 0 and 1 | MB | GB/s a rank sends, best | median |",
                     "|---:|---|---:|---:|---:|"]
     headlines, fractions = [], {}
+    cores = len(os.sched_getaffinity(0))
+    cpu_rows = ["| ranks | op | MB | gloo CPU ms | ring CPU ms | ring / gloo, paired | cores busy: gloo | ring |",
+                "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    bound = {}
     for n in (2, 4):
         with Cluster(n, timeout=900) as cluster:
-            result = cluster.run(_measure, sizes_mb, timed)[0]
+            result, cpu = cluster.run(_measure, sizes_mb, timed)[0]
         rate = {key: [b / t for t in ts] for key, (ts, b) in result.items()}
         p2p = {key: r for key, r in rate.items() if key[0] == "p2p"}
         for (_, mb, how), r in p2p.items():
@@ -98,8 +140,19 @@ def main(sizes_mb=SIZES_MB, timed=7):
                             f"{protocol.median(rate[g]) / 1e9:.2f} | {protocol.median(rate[rg]) / 1e9:.2f} | "
                             f"{frac['gloo']} | {frac['ring']} |")
         mb = max(sizes_mb)
+        busy = {}
+        for op in OPS:
+            g, rg = (op, mb, "gloo"), (op, mb, "ring")
+            busy[op] = {k: protocol.median(cpu[k]) / (protocol.median(times[k]) * cores) for k in (g, rg)}
+            cpu_rows.append(f"| {n} | {op} | {mb} | {protocol.median(cpu[g]) * 1e3:.1f} | "
+                            f"{protocol.median(cpu[rg]) * 1e3:.1f} | {protocol.ratio(cpu, rg, g)} | "
+                            f"{busy[op][g]:.2f} | {busy[op][rg]:.2f} |")
         rs = protocol.ratio(times, ("reduce_scatter", mb, "ring"), ("reduce_scatter", mb, "gloo"))
         ar = protocol.ratio(times, ("all_reduce", mb, "ring"), ("all_reduce", mb, "gloo"))
+        ar_cpu = protocol.ratio(cpu, ("all_reduce", mb, "ring"), ("all_reduce", mb, "gloo"))
+        parts = {part: (protocol.median(cpu["all_reduce", mb, "gloo", part]), protocol.median(cpu["all_reduce", mb, "ring", part]))
+                 for part in ("user", "system")}
+        bound[n] = (ar, ar_cpu, min(busy["all_reduce"].values()), parts)
         headlines += [
             protocol.headline(f"ring reduce_scatter from send/recv / gloo's, {n} ranks, {mb} MB", rs,
                               reference=RS_TARGET, below=f"within the target <= {RS_TARGET}",
@@ -110,12 +163,18 @@ def main(sizes_mb=SIZES_MB, timed=7):
             protocol.headline(f"ring all_reduce from send/recv / gloo's, {n} ranks, {mb} MB", ar,
                               below="the ring faster", above="gloo faster",
                               note=f"bus bandwidth / transport ceiling: ring {fractions[f'ring all_reduce, {n} ranks, {mb} MB']}, "
-                                   f"gloo {fractions[f'gloo all_reduce, {n} ranks, {mb} MB']}")]
+                                   f"gloo {fractions[f'gloo all_reduce, {n} ranks, {mb} MB']}; CPU time of all ranks, "
+                                   f"ring / gloo: {ar_cpu}, the {cores} cores busy "
+                                   f"{min(busy['all_reduce'].values()):.2f}-{max(busy['all_reduce'].values()):.2f} of the call")]
     lucky = ceilings.check(fractions)            # fails loudly: a collective faster than send/recv itself
     text = ("### Collectives: gloo vs ring built from send/recv\n\n" + "\n".join(rows) +
             "\n\nTransport ceiling (benchmarks/ceilings.py), measured in the same rounds; a row's fraction of it: its bus "
             "bandwidth over the fastest of these in the same round (paired median [middle half]), and its best round "
             "over their best round (best):\n\n" + "\n".join(ceiling_rows) +
+            f"\n\nCPU time, {max(sizes_mb)} MB: the same calls in rounds of their own, each call's CPU time summed over "
+            "the ranks' processes (gloo's transport threads included: `protocol.cpu_all_ranks`), and the cores busy: "
+            f"that CPU time over the call's median wall time (above) times this machine's {cores} cores:\n\n"
+            + "\n".join(cpu_rows) + "\n\n" + _cpu_reading(bound, cores) +
             "\n\n" + protocol.PROTOCOL_NOTE + "\n" + ceilings.warning(lucky))
     return Section(text, headlines)
 

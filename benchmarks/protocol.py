@@ -20,6 +20,7 @@ benchmark script times its contenders with :func:`rounds` and reads each headlin
 It is robust to load in the sense that matters here: load slows both sides of a pair alike, and a
 round that one side happened to lose shows in the spread instead of moving the headline.
 """
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -46,6 +47,32 @@ def slowest_rank(group=None):
         t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return t.item()
+    return clock
+
+
+def cpu_all_ranks(group=None, *, part="all"):
+    """A clock for code that runs on every rank of ``group``, in CPU seconds instead of wall seconds: the
+    ranks start together (a barrier) and the result is the CPU time all ranks' processes spent in
+    ``fn()``, their background threads included (gloo's transport), summed over the ranks (a SUM
+    all-reduce), the same number on every rank. Against the wall time times the cores, it says how
+    busy the machine's cores were. ``part``: "all", or "user" (the processes' own code) or "system"
+    (the kernel working for them: system calls, copies into and out of sockets, page faults)."""
+    if part not in ("all", "user", "system"):
+        raise ValueError(f"cpu_all_ranks: part={part!r}; use 'all', 'user' or 'system'")
+
+    def read():                           # getrusage: the process's user and system time, in microseconds
+        r = resource.getrusage(resource.RUSAGE_SELF)      # (os.times counts clock ticks: 10 ms)
+        return {"all": r.ru_utime + r.ru_stime, "user": r.ru_utime, "system": r.ru_stime}[part]
+
+    def clock(fn):
+        import torch
+        import torch.distributed as dist
+        dist.barrier(group)
+        c0 = read()
+        fn()
+        c = torch.tensor([read() - c0], dtype=torch.float64)
+        dist.all_reduce(c, group=group)
+        return c.item()
     return clock
 
 

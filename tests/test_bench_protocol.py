@@ -75,3 +75,31 @@ def test_memory_kernels_move_the_bytes_they_count():
     p, m, v = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     lib.adam_traffic_bf16(ptr(p), ptr(g16), ptr(m), ptr(v), ptr(out16), ctypes.c_int64(n), 2)
     assert torch.equal(m, g16.float()) and torch.equal(p, -g16.float()) and torch.equal(out16, (-g16.float()).bfloat16())
+
+
+def _spin_and_sleep():
+    import time
+    from benchmarks import protocol
+    clock, user = protocol.cpu_all_ranks(), protocol.cpu_all_ranks(part="user")
+
+    def spin():                          # 0.2 s of a busy loop (perf_counter: read in user space, no system call)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.2:
+            pass
+    return clock(spin), clock(lambda: time.sleep(0.2)), user(spin)
+
+
+def test_cpu_clock_sums_the_ranks_cpu_time_not_the_wall():
+    """Two ranks each burn 0.2 s of CPU, then each sleep 0.2 s: the clock reads about 0.4 s, then about
+    nothing (a wall clock would read 0.2 s both times), the same on every rank. (On 2 ranks sharing fewer
+    than 2 free cores the busy loops take turns and still burn 0.2 s of wall time each: less CPU, which the
+    bounds allow for.)"""
+    from zerolab import Cluster
+    with Cluster(2) as cluster:
+        results = cluster.run(_spin_and_sleep)
+    assert results[0] == results[1]
+    busy, asleep, busy_user = results[0]
+    assert 0.2 <= busy < 0.6 and asleep < 0.05
+    assert 0.15 <= busy_user <= busy + 0.05               # a spinning loop runs in user time, not in the kernel
+    with pytest.raises(ValueError, match="part='wall'"):
+        protocol.cpu_all_ranks(part="wall")
