@@ -8,19 +8,18 @@ with torch's fused scaled_dot_product_attention (which does not), at two sequenc
   saved-tensor hooks), none / selective (each core attention recomputed) / full (each block);
 * peak memory: the most CPU tensor bytes live at once on rank 0 during two steps, from before the
   model is built (``zerolab.memory.allocation_trace``, torch's profiler), in a separate run;
-* step time: median over ``--steps`` steps, the configurations of one sequence length and attention
-  interleaved step by step (the first step of each is a warm-up and not counted).
+* step time: the slowest rank's, the configurations of one sequence length and attention paired step
+  by step in rotating order after a warm-up round (benchmarks/protocol.py): each ratio to none is the
+  median of the per-round ratios with their middle half.
 
 Theory (Korthikanti et al., arXiv 2205.05198): full recomputation runs one more forward of every block
 (+1/3 of a step's block FLOPs), selective only the core attention's; full keeps each block's input.
 """
 import argparse
-import statistics
-import time
 
 import torch.distributed as dist
 
-from benchmarks import Section
+from benchmarks import Section, protocol
 from zerolab import Cluster, models
 
 MODEL = dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4)
@@ -43,16 +42,13 @@ def _build(seq_len, attention, mode):
 
 
 def _times(seq_len, attention, steps):
+    """Per mode: the slowest rank's step time in each of ``steps`` paired rounds (the order rotating,
+    after a warm-up round: benchmarks/protocol.py), and the activation bytes of its last forward."""
     built = {mode: _build(seq_len, attention, mode) for mode in MODES}
-    times = {mode: [] for mode in MODES}
-    for i in range(steps + 1):
-        for mode, (_, step) in built.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(i)
-            times[mode].append(time.perf_counter() - t0)
+    times = protocol.rounds({mode: step for mode, (_, step) in built.items()}, timed=steps,
+                            clock=protocol.slowest_rank())
     saved = {mode: sum(engine.activation_report().values()) for mode, (engine, _) in built.items()}
-    return {mode: statistics.median(t[1:]) for mode, t in times.items()}, saved
+    return times, saved
 
 
 def _peak(seq_len, attention, mode):
@@ -85,28 +81,33 @@ def main(seq_lens=(128, 512), steps=8):
     with Cluster(2, timeout=900) as cluster:
         results = cluster.run(_measure, seq_lens, steps)[0]
     rows = ["| seq len | attention | checkpointing | activation bytes (MB) | / none | peak memory (MB) | / none "
-            "| step (ms) | / none |", "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+            "| step (ms, median) | / none, paired |", "|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for (s, attention), (times, saved, peaks) in results.items():
         for mode in MODES:
+            paired = "1.00" if mode is None else str(protocol.ratio(times, mode, None))
             rows.append(f"| {s} | {attention} | {_name(mode)} | {saved[mode] / 1e6:.2f} | "
                         f"{saved[mode] / saved[None]:.2f} | {peaks[mode] / 1e6:.1f} | {peaks[mode] / peaks[None]:.2f} | "
-                        f"{times[mode] * 1e3:.0f} | {times[mode] / times[None]:.2f} |")
+                        f"{protocol.median(times[mode]) * 1e3:.0f} | {paired} |")
     s = max(seq_lens)
     times, saved, peaks = results[s, "naive"]
     headlines = [(f"full checkpointing / none, activation bytes, seq {s}, naive attention",
                   f"{saved['full'] / saved[None]:.2f}", "below 1: what full recomputation saves"),
-                 (f"full checkpointing / none, step time, seq {s}, naive attention",
-                  f"{times['full'] / times[None]:.2f}", "above 1: the price (theory: about 4/3 of the blocks' compute)"),
+                 protocol.headline(f"full checkpointing / none, step time, seq {s}, naive attention",
+                                   protocol.ratio(times, "full", None), below="full checkpointing faster",
+                                   above="the price of recomputing", note="theory: about 4/3 of the blocks' compute"),
                  (f"selective / none, activation bytes, seq {s}, naive attention",
                   f"{saved['selective'] / saved[None]:.2f}", "below 1: the attention probabilities are gone"),
-                 (f"selective / none, step time, seq {s}, naive attention",
-                  f"{times['selective'] / times[None]:.2f}", "near 1: only the core attention is recomputed")]
+                 protocol.headline(f"selective / none, step time, seq {s}, naive attention",
+                                   protocol.ratio(times, "selective", None), below="selective faster",
+                                   above="the price of recomputing",
+                                   note="theory: near 1, only the core attention is recomputed")]
     head = (f"### Activation checkpointing (TinyGPT {MODEL}, batch {BATCH} per rank, 2 ranks, stage 2, fp32; "
             f"rank 0)\n\nActivation bytes: saved for backward by the last forward (saved-tensor hooks). Peak "
             f"memory: all tensors, model states included (torch's profiler). With sdpa (a fused kernel) "
             f"there are no attention probabilities to drop: selective recomputation saves only the "
-            f"kernel's logsumexp.\n\n")
-    return Section(head + "\n".join(rows) + "\n", headlines)
+            f"kernel's logsumexp. Step time: the slowest rank's, {steps} paired rounds per sequence length and "
+            f"attention.\n\n")
+    return Section(head + "\n".join(rows) + "\n\n" + protocol.PROTOCOL_NOTE + "\n", headlines)
 
 
 if __name__ == "__main__":

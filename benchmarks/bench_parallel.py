@@ -1,11 +1,12 @@
-"""python -m benchmarks.bench_parallel [--steps 5]
+"""python -m benchmarks.bench_parallel [--steps 7]
 
 Tensor, sequence and pipeline parallelism (lesson 14) on gloo ranks, each beside its formula and,
 where torch has one that runs here (torch 2.13, gloo), beside torch's own:
 
 * tensor parallelism on 4 ranks: a tower of MLPs (column- then row-parallel, TinyGPT's MLP shape)
   with zerolab's f/g and with DTensor's ``ColwiseParallel``/``RowwiseParallel``: forward + backward
-  time (median over ``--steps``, the two interleaved step by step after a warm-up), bytes on the
+  time (the slowest rank's, paired step by step in rotating order after a warm-up round:
+  benchmarks/protocol.py), bytes on the
   sockets per rank, and the formula 4(t-1)/t x the activation per layer (2 all-reduces);
 * TinyGPT split over 4 ranks: tensor parallelism, and sequence parallelism (Megatron-LM's re-gather):
   time, bytes logged and on the sockets, against :func:`zerolab.cost_parallel.tp_layer_sent_bytes`;
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks import Section
+from benchmarks import Section, protocol
 from zerolab import Cluster, comm, models
 
 MLP_WIDTH, MLP_LAYERS, TOKENS = 256, 4, (64, 8)        # (s, b)
@@ -67,23 +68,24 @@ def _tp_mlp(steps):
     for pair in theirs.layers:
         parallelize_module(pair, mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
     x = torch.randn(*TOKENS, MLP_WIDTH, generator=torch.Generator().manual_seed(1)).requires_grad_()   # f in every layer
-    ports = comm.peer_map()
-    times, sockets, outs = {"zerolab": [], "DTensor": []}, {}, {}
-    for i in range(steps + 1):
-        for name, tower in (("zerolab", ours), ("DTensor", theirs)):
-            dist.barrier()
-            region = comm.log(sockets=True)
-            log = region.open()
-            t0 = time.perf_counter()
-            y = tower(x)
-            y.square().mean().backward()
-            times[name].append(time.perf_counter() - t0)
-            dist.barrier()
-            region.close()
-            sockets[name] = sum(log.measured_by_peer(ports).values())
-            outs[name] = y.detach()
-    return ({k: statistics.median(v[1:]) for k, v in times.items()}, sockets,
-            (outs["zerolab"] - outs["DTensor"]).abs().max().item())
+    towers = {"zerolab": ours, "DTensor": theirs}
+
+    def step(tower):
+        y = tower(x)
+        y.square().mean().backward()
+        return y.detach()
+    times = protocol.rounds({name: (lambda r, tower=tower: step(tower)) for name, tower in towers.items()},
+                            timed=steps, clock=protocol.slowest_rank())
+    ports, sockets, outs = comm.peer_map(), {}, {}
+    for name, tower in towers.items():       # one more step each, its bytes read off the sockets
+        dist.barrier()
+        region = comm.log(sockets=True)
+        log = region.open()
+        outs[name] = step(tower)
+        dist.barrier()
+        region.close()
+        sockets[name] = sum(log.measured_by_peer(ports).values())
+    return times, sockets, (outs["zerolab"] - outs["DTensor"]).abs().max().item()
 
 
 def _tp_gpt(steps):
@@ -92,20 +94,18 @@ def _tp_gpt(steps):
     variants = {"TP": TP.TensorParallelGPT(full, None),
                 "SP": TP.TensorParallelGPT(models.build("gpt", seed=0, **GPT), None, sequence_parallel=True)}
     x, y = models.batch("gpt", seed=1, batch_size=GPT_BATCH, model=full)
-    ports = comm.peer_map()
-    times, bytes_ = {k: [] for k in variants}, {}
-    for i in range(steps + 1):
-        for name, model in variants.items():
-            dist.barrier()
-            region = comm.log(sockets=True)
-            log = region.open()
-            t0 = time.perf_counter()
-            model(x, y).backward()
-            times[name].append(time.perf_counter() - t0)
-            dist.barrier()
-            region.close()
-            bytes_[name] = (log.sent_bytes, sum(log.measured_by_peer(ports).values()))
-    return {k: statistics.median(v[1:]) for k, v in times.items()}, bytes_
+    times = protocol.rounds({name: (lambda r, model=model: model(x, y).backward()) for name, model in variants.items()},
+                            timed=steps, clock=protocol.slowest_rank())
+    ports, bytes_ = comm.peer_map(), {}
+    for name, model in variants.items():      # one more step each, its bytes logged and read off the sockets
+        dist.barrier()
+        region = comm.log(sockets=True)
+        log = region.open()
+        model(x, y).backward()
+        dist.barrier()
+        region.close()
+        bytes_[name] = (log.sent_bytes, sum(log.measured_by_peer(ports).values()))
+    return times, bytes_
 
 
 def _pipeline(p, m, steps):
@@ -128,8 +128,8 @@ def _pipeline(p, m, steps):
     torch_stage = PipelineStage(stage, s, p, torch.device("cpu"), group=group)
     scheds = {"torch gpipe": ScheduleGPipe(torch_stage, n_microbatches=m, loss_fn=mse),
               "torch 1f1b": Schedule1F1B(torch_stage, n_microbatches=m, loss_fn=mse)}
-    for i in range(steps + 1):
-        for name in out:
+    for i in range(steps + 1):                     # a warm-up round, then paired rounds in rotating order
+        for name in protocol.order(list(out), i):
             stage.zero_grad()
             dist.barrier(group)
             t0 = time.perf_counter()
@@ -159,11 +159,11 @@ def _pipeline(p, m, steps):
                     busy = sum(sp.seconds for sp in tl.collect() if sp.category == "compute")
                     out[name]["idle"].append(1 - busy / elapsed.item())
             out[name]["peak"] = peak
-    return {k: {"time": statistics.median(v["time"]),
+    return {k: {"times": v["time"], "time": statistics.median(v["time"]),
                 "idle": statistics.median(v["idle"]) if v["idle"] else None, "peak": v["peak"]} for k, v in out.items()}
 
 
-def main(steps=5):
+def main(steps=7):
     from zerolab import cost_parallel as cp
     with Cluster(4, timeout=900) as cluster:
         mlp = cluster.run(_tp_mlp, steps)
@@ -174,10 +174,10 @@ def main(steps=5):
     rows = ["#### Tensor parallelism: a tower of MLPs, zerolab's f/g vs DTensor (4 ranks)\n",
             "| implementation | forward + backward (ms, slowest rank) | bytes on rank 0's sockets | formula (logged) |",
             "|---|---:|---:|---:|"]
-    mlp_time = {k: max(r[0][k] for r in mlp) for k in ("zerolab", "DTensor")}
+    mlp_times = mlp[0][0]                      # the slowest rank's, the same on every rank
     formula = MLP_LAYERS * 2 * 2 * (t - 1) / t * act
     for k in ("zerolab", "DTensor"):
-        rows.append(f"| {k} | {mlp_time[k] * 1e3:.1f} | {mlp[0][1][k]:,} | {formula:,.0f} |")
+        rows.append(f"| {k} | {protocol.median(mlp_times[k]) * 1e3:.1f} | {mlp[0][1][k]:,} | {formula:,.0f} |")
     rows.append(f"\nLargest output difference between the two (float32): {max(r[2] for r in mlp):.1e}.\n")
     rows += [f"#### TinyGPT {GPT}, batch {GPT_BATCH}, split over 4 ranks\n",
              "| | forward + backward (ms, slowest rank) | bytes logged (rank 0) | formula | on its sockets |",
@@ -188,14 +188,15 @@ def main(steps=5):
         f = GPT["n_layers"] * cp.tp_layer_sent_bytes(s_bytes, t, sequence_parallel=sp,
                                                       replicated_grad_bytes=GPT["d_model"] * 4 if sp else 0)
         f += 2 * (t - 1) / t * s_bytes if sp else 0
-        rows.append(f"| {k} | {max(r[0][k] for r in gpt) * 1e3:.1f} | {gpt[0][1][k][0]:,.0f} | {f:,.0f} | "
+        rows.append(f"| {k} | {protocol.median(gpt[0][0][k]) * 1e3:.1f} | {gpt[0][1][k][0]:,.0f} | {f:,.0f} | "
                     f"{gpt[0][1][k][1]:,} |")
     rows += ["\n#### Pipeline parallelism: equal stages of 2 TinyGPT blocks (width 128, float32), micro-batches "
              f"of {PP_BATCH} sequences\n",
              "| p | m | schedule | step (ms) | idle fraction, stage mean (formula) | peak activation MB per stage |",
              "|---:|---:|---|---:|---:|---|"]
-    headlines = [("DTensor TP / zerolab TP, forward + backward of an MLP tower (4 ranks)",
-                  f"{mlp_time['DTensor'] / mlp_time['zerolab']:.2f}", "the same collectives; above 1: DTensor slower here"),
+    headlines = [protocol.headline("DTensor TP / zerolab TP, forward + backward of an MLP tower (4 ranks)",
+                                   protocol.ratio(mlp_times, "DTensor", "zerolab"), below="DTensor faster here",
+                                   above="DTensor slower here", note="the same collectives"),
                  ("SP / TP bytes per rank, TinyGPT on 4 ranks (Megatron's re-gather)",
                   f"{gpt[0][1]['SP'][0] / gpt[0][1]['TP'][0]:.2f}", "g/g-bar alone would be 1 plus the edges; the re-gather adds 2(t-1)/t sbh per layer")]
     for (p, m), ranks in pipes.items():
@@ -205,15 +206,16 @@ def main(steps=5):
             idle_text = (f"{statistics.mean(idle):.3f} ({cp.bubble_fraction(p, m):.3f})" if idle[0] is not None else "-")
             peaks = ", ".join(f"{r[name]['peak'] / 1e6:.2f}" for r in ranks)
             rows.append(f"| {p} | {m} | {name} | {ranks[0][name]['time'] * 1e3:.0f} | {idle_text} | {peaks} |")
-        headlines.append((f"torch Schedule1F1B / zerolab 1F1B step time, p = {p}, m = {m}",
-                          f"{ranks[0]['torch 1f1b']['time'] / ranks[0]['zerolab 1f1b']['time']:.2f}",
-                          "the same schedule; above 1: torch's slower here"))
-    head = ("### Tensor, sequence and pipeline parallelism (lesson 14), gloo; times are medians over "
-            f"{steps} interleaved steps after a warm-up\n\n")
-    return Section(head + "\n".join(rows) + "\n", headlines)
+        headlines.append(protocol.headline(
+            f"torch Schedule1F1B / zerolab 1F1B step time, p = {p}, m = {m}",
+            protocol.Ratio.of(ranks[0]["torch 1f1b"]["times"], ranks[0]["zerolab 1f1b"]["times"]),
+            below="torch's faster here", above="torch's slower here", note="the same schedule"))
+    head = ("### Tensor, sequence and pipeline parallelism (lesson 14), gloo; times are the slowest rank's, medians "
+            f"over {steps} paired rounds in rotating order after a warm-up round (benchmarks/protocol.py)\n\n")
+    return Section(head + "\n".join(rows) + "\n\n" + protocol.PROTOCOL_NOTE + "\n", headlines)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=7)
     print(main(ap.parse_args().steps))
