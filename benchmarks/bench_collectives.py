@@ -78,33 +78,32 @@ def _measure(sizes_mb, timed):
             ideal[key] = mb * 2**20
     times = protocol.rounds(contenders, timed=timed, clock=protocol.slowest_rank())
     mb = max(sizes_mb)                # the same calls again, in CPU seconds of all ranks (gloo's threads too)
-    cpu = protocol.rounds({key: fn for key, fn in contenders.items() if key[0] in OPS and key[1] == mb},
-                          timed=timed, clock=protocol.cpu_all_ranks())
-    for part in ("user", "system"):             # the all_reduce's CPU time, split: the ranks' own code, the kernel
-        split = protocol.rounds({key: fn for key, fn in contenders.items() if key[0] == "all_reduce" and key[1] == mb},
-                                timed=timed, clock=protocol.cpu_all_ranks(part=part))
-        cpu.update({key + (part,): ts for key, ts in split.items()})
+    split = protocol.rounds({key: fn for key, fn in contenders.items() if key[0] in OPS and key[1] == mb},
+                            timed=timed, clock=protocol.cpu_all_ranks(part="split"))   # (user, system) per call
+    cpu = {}
+    for key, parts in split.items():            # the total, and the ranks' own code and the kernel apart
+        cpu[key] = [u + s for u, s in parts]
+        cpu[key + ("user",)], cpu[key + ("system",)] = [u for u, _ in parts], [s for _, s in parts]
     return {key: (ts, ideal[key]) for key, ts in times.items()}, cpu
 
 
 def _cpu_reading(bound, cores):
     """What the CPU rounds say about the ring all-reduce against gloo's, per N, from the measurement:
     {N: (time ratio, CPU-time ratio, the lower of the two calls' cores-busy fractions,
-    {"user" | "system": (gloo's, the ring's median CPU seconds)})}."""
+    {"user" | "system": (gloo's, the ring's median CPU seconds, their paired ratio)})}."""
     out = []
     for n, (time_ratio, cpu_ratio, busy, parts) in bound.items():
-        (gu, ru), (gs, rs) = parts["user"], parts["system"]
+        (gu, ru, user), (gs, rs, system) = parts["user"], parts["system"]
         reading = (f"{n} ranks: the ring all-reduce takes {time_ratio} of gloo's time and spends {cpu_ratio} of its CPU "
-                   f"time (user {ru * 1e3:.0f} ms against gloo's {gu * 1e3:.0f}, system {rs * 1e3:.0f} against "
-                   f"{gs * 1e3:.0f}: medians of their own rounds), the cores busy at least {busy:.2f} of either call")
+                   f"time: in user time (the ranks' own code) {ru * 1e3:.0f} ms against gloo's {gu * 1e3:.0f}, "
+                   f"{user}; in system time (the kernel's) {rs * 1e3:.0f} against {gs * 1e3:.0f}, {system}. The cores "
+                   f"were busy at least {busy:.2f} of either call")
         if busy >= 0.8:
             reading += (": the call is bound by this machine's cores, which do all the moving (each byte sent is copied "
                         "into the kernel and out of it again, on loopback TCP) and the adds, so its time follows the "
                         "CPU work it gives them. A ring from send/recv moves the same bytes through the same kernel "
-                        "copies as gloo's ring; what it can change is its own code")
-            if ru > gu:
-                reading += (f", and that costs {(ru - gu) * 1e3:.0f} ms more user time than gloo's (the same adds, and a Python "
-                            "call per piece where gloo's ring runs in C++)")
+                        "copies as gloo's ring and does the same adds; what differs is the code around them (a "
+                        "Python call per piece, where gloo's ring runs in C++)")
         else:
             reading += (": the cores are not saturated, so part of the call is spent waiting, which this measurement "
                         "does not place")
@@ -150,7 +149,8 @@ def main(sizes_mb=SIZES_MB, timed=7):
         rs = protocol.ratio(times, ("reduce_scatter", mb, "ring"), ("reduce_scatter", mb, "gloo"))
         ar = protocol.ratio(times, ("all_reduce", mb, "ring"), ("all_reduce", mb, "gloo"))
         ar_cpu = protocol.ratio(cpu, ("all_reduce", mb, "ring"), ("all_reduce", mb, "gloo"))
-        parts = {part: (protocol.median(cpu["all_reduce", mb, "gloo", part]), protocol.median(cpu["all_reduce", mb, "ring", part]))
+        parts = {part: (protocol.median(cpu["all_reduce", mb, "gloo", part]), protocol.median(cpu["all_reduce", mb, "ring", part]),
+                        protocol.ratio(cpu, ("all_reduce", mb, "ring", part), ("all_reduce", mb, "gloo", part)))
                  for part in ("user", "system")}
         bound[n] = (ar, ar_cpu, min(busy["all_reduce"].values()), parts)
         headlines += [

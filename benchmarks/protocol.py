@@ -55,24 +55,27 @@ def cpu_all_ranks(group=None, *, part="all"):
     ranks start together (a barrier) and the result is the CPU time all ranks' processes spent in
     ``fn()``, their background threads included (gloo's transport), summed over the ranks (a SUM
     all-reduce), the same number on every rank. Against the wall time times the cores, it says how
-    busy the machine's cores were. ``part``: "all", or "user" (the processes' own code) or "system"
-    (the kernel working for them: system calls, copies into and out of sockets, page faults)."""
-    if part not in ("all", "user", "system"):
-        raise ValueError(f"cpu_all_ranks: part={part!r}; use 'all', 'user' or 'system'")
+    busy the machine's cores were. ``part``: "all"; or "split", (user, system): the processes' own code,
+    and the kernel working for them (system calls, copies into and out of sockets, page faults), both
+    from the same call."""
+    if part not in ("all", "split"):
+        raise ValueError(f"cpu_all_ranks: part={part!r}; use 'all' or 'split'")
 
     def read():                           # getrusage: the process's user and system time, in microseconds
         r = resource.getrusage(resource.RUSAGE_SELF)      # (os.times counts clock ticks: 10 ms)
-        return {"all": r.ru_utime + r.ru_stime, "user": r.ru_utime, "system": r.ru_stime}[part]
+        return r.ru_utime, r.ru_stime
 
     def clock(fn):
         import torch
         import torch.distributed as dist
         dist.barrier(group)
-        c0 = read()
+        u0, s0 = read()
         fn()
-        c = torch.tensor([read() - c0], dtype=torch.float64)
+        u1, s1 = read()
+        c = torch.tensor([u1 - u0, s1 - s0], dtype=torch.float64)
         dist.all_reduce(c, group=group)
-        return c.item()
+        user, system = c.tolist()
+        return (user, system) if part == "split" else user + system
     return clock
 
 
