@@ -323,3 +323,26 @@ def test_tensor_census_counts_live_storages_by_device_and_dtype():
     gc.collect()
     assert memory.tensor_census(exclude=base) == {("cpu", "float32"): flat.data.untyped_storage().nbytes()}
     del a, b, lin, flat, params
+
+
+def test_allocation_trace_counts_this_threads_frees_only():
+    """What the trace can and cannot see, pinned so that a torch release that changes it fails here:
+    a tensor allocated and freed on this thread is counted and freed; one allocated here but freed on
+    another thread (as gloo's worker thread can free a collective's buffers) stays counted as live to
+    the end, and only the census (live_tensor_bytes) shows that it is gone."""
+    import gc
+    import threading
+    gc.collect()
+    base = memory.live_tensor_bytes().get("cpu", 0)
+    with memory.allocation_trace() as trace:
+        kept = torch.ones(250_000)                        # 1 MB, alive at the end
+        here = torch.ones(500_000)                        # 2 MB, freed on this thread
+        del here
+        box = [torch.ones(1_000_000)]                     # 4 MB, freed on another thread
+        freer = threading.Thread(target=box.clear)
+        freer.start()
+        freer.join()
+    assert trace["peak"] >= 1_000_000 + 4_000_000
+    assert trace["end"] == 1_000_000 + 4_000_000          # the other thread's free was not seen
+    assert memory.live_tensor_bytes().get("cpu", 0) - base == 1_000_000   # the census finds 1 MB
+    del kept

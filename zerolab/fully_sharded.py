@@ -61,7 +61,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._C import _disabled_torch_function_impl
 
@@ -426,14 +425,22 @@ class FullyShardedModule(nn.Module):
         u.launched = True
         n = self.world_size
         dtype = self.reduce_dtype or u.dtype
+        # Its gathered weights are not needed again this step: free them BEFORE the buffer, so that the
+        # weights, the gradients and the buffer (Ψ_u each) are never alive together. FSDP2 does the same:
+        # post_backward reshards, then foreach_reduce copies into its buffer (torch 2.13,
+        # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, FSDPParamGroup.post_backward).
+        self._free(u)
         # copy-in, rank-major: row r of `buf` holds the rows of every parameter that rank r owns
-        buf = torch.zeros(n, u.shard_numel, dtype=dtype, device=u.full.device)   # Ψ_u (+ padding)
+        buf = torch.empty(n, u.shard_numel, dtype=dtype, device=u.full.device)   # Ψ_u (+ padding)
         for s in u.params:
-            g = s.full.grad if s.full.grad is not None else torch.zeros(s.shape, dtype=u.dtype)
-            padded = F.pad(g.reshape(s.rows, -1), (0, 0, 0, n * s.c - s.rows))    # zero rows at the end
-            buf[:, s.offset:s.offset + s.shard_numel].copy_(padded.view(n, -1))
+            g = None if s.full.grad is None else s.full.grad.reshape(-1)   # None: unused, zeros
+            for r in range(n):                   # rank r's rows [r*c, r*c + k) of s, then its zero padding
+                k = 0 if g is None else max(0, min(s.c, s.rows - r * s.c))
+                mine = buf[r, s.offset:s.offset + s.shard_numel]
+                if k:
+                    mine[:k * s.row_numel].copy_(g[r * s.c * s.row_numel:(r * s.c + k) * s.row_numel])
+                mine[k * s.row_numel:].zero_()
             s.full.grad = None                   # no full-size gradient survives the unit
-        self._free(u)                            # its weights are no longer needed this step
         if self._inflight:
             self._finish_oldest()                # at most two units' buffers alive
         own = buf[self.rank]                     # in place: rank r receives the sum of its row

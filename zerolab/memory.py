@@ -295,6 +295,14 @@ def allocation_trace():
 
     Times are ``time.perf_counter()`` values, so they line up with :mod:`zerolab.timeline` spans.
     The profiler slows the region down severalfold: time it in a separate run.
+
+    Only this thread's events are seen, frees included: a tensor allocated here but freed on another
+    thread stays counted as live to the end. That happens with gloo collectives, whose worker thread
+    can drop the last reference to a collective's buffers after the caller has dropped its own,
+    depending on which gets there first. So on ranks a trace can overcount, by a different amount
+    from run to run: compare its ``end`` with the growth of :func:`live_tensor_bytes` over the same
+    region, which finds every tensor still alive (``tests/test_memory.py`` shows the missed free;
+    torch 2.13's profiler, asked to profile all threads, records no memory events at all).
     """
     from torch.profiler import ProfilerActivity, profile
     out = {}
