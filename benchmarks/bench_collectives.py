@@ -101,9 +101,11 @@ def _cpu_reading(bound, cores):
         if busy >= 0.8:
             reading += (": the call is bound by this machine's cores, which do all the moving (each byte sent is copied "
                         "into the kernel and out of it again, on loopback TCP) and the adds, so its time follows the "
-                        "CPU work it gives them. A ring from send/recv moves the same bytes through the same kernel "
-                        "copies as gloo's ring and does the same adds; what differs is the code around them (a "
-                        "Python call per piece, where gloo's ring runs in C++)")
+                        "CPU work it gives them. A ring from send/recv sends the same bytes as gloo's ring (lesson 00 "
+                        "counts them on the sockets) and does the same adds; how much CPU each spends on that is "
+                        "what differs: the kernel's share with how many pieces the bytes go in and how often a rank "
+                        "waits, the ranks' own share with the code around them (a Python call per piece here, C++ "
+                        "in gloo's ring)")
         else:
             reading += (": the cores are not saturated, so part of the call is spent waiting, which this measurement "
                         "does not place")
