@@ -99,16 +99,15 @@ def _cpu_reading(bound, cores):
                    f"{user}; in system time (the kernel's) {rs * 1e3:.0f} against {gs * 1e3:.0f}, {system}. The cores "
                    f"were busy at least {busy:.2f} of either call")
         if busy >= 0.8:
-            reading += (": the call is bound by this machine's cores, which do all the moving (each byte sent is copied "
-                        "into the kernel and out of it again, on loopback TCP) and the adds, so its time follows the "
-                        "CPU work it gives them. A ring from send/recv sends the same bytes as gloo's ring (lesson 00 "
-                        "counts them on the sockets) and does the same adds; how much CPU each spends on that is "
-                        "what differs: the kernel's share with how many pieces the bytes go in and how often a rank "
-                        "waits, the ranks' own share with the code around them (a Python call per piece here, C++ "
-                        "in gloo's ring)")
+            reading += (": most of the call is CPU work on this machine's cores: moving the bytes (each byte sent is "
+                        "copied into the kernel and out of it again, on loopback TCP) and the adds. A ring from "
+                        "send/recv sends the same bytes as gloo's ring (lesson 00 counts them on the sockets) and does "
+                        "the same adds; how much CPU each spends on that can differ: the kernel's share with how many "
+                        "pieces the bytes go in and how often a rank waits, the ranks' own share with the code "
+                        "around them (a Python call per piece here, C++ in gloo's ring)")
         else:
-            reading += (": the cores are not saturated, so part of the call is spent waiting, which this measurement "
-                        "does not place")
+            reading += (": for the rest of the call the cores did other work or none (waiting), which this "
+                        "measurement does not place")
         out.append(reading + ".")
     return " ".join(out)
 

@@ -150,11 +150,11 @@ def test_each_miss_is_named_with_the_measured_cause_that_accounts_for_it_or_none
                 "links": {"forward": 10.0, "step": 5.0}, "phases": [forward, 1.0, step], "spread": [0.0, spread, 0.0]}
     r0, r3 = row("0", 20.0, 3.0, 4.0), row("3", 20.0, 3.0, 2.0, gathers=[("all_gather", 8)])
     misses = [(r0, "forward", -0.5), (r0, "step", 5 / 3 - 1), (r3, "forward", -0.5), (r3, "step", 5 / 3 - 1)]
-    # the forward's wall time grows 1.5x when the ranks go straight on into their backward, its CPU time
-    # does not: 10 ms x 1.2 (split) x 1.1 (the engine's CPU) x 1.5 (waiting) = 19.8 ms against 20 measured
+    # the bare forward's wall time grows 1.5x when the ranks go straight on into their backward (its CPU
+    # time does not): 10 ms x 1.2 (split) x 1.5 (sharing) x 1.1 (the engine's CPU) = 19.8 ms against 20
     causes = bench_cost.explain(profile(18.0), [r0, r3], misses)
-    assert "together -1%" in causes[4, "0", "forward"] and "waiting for a core 1.50x" in causes[4, "0", "forward"]
-    assert "4000.0 ms apart" in causes[4, "0", "step"]      # (seconds here) the ranks ended their backward further apart
+    assert "together -1%" in causes[4, "0", "forward"] and "1.50x that when the ranks go" in causes[4, "0", "forward"]
+    assert "4000.0 ms before the last" in causes[4, "0", "step"]   # (seconds here) the others ended theirs earlier
     assert causes[4, "3", "step"] is None                   # 2 ms apart: less than the 3 ms step
     assert causes[4, "3", "forward"] is None                # a forward with collectives in it: no such factors
     # no waiting: 10 x 1.2 x 1.1 = 13.2 ms is still -34% of 20: not accounted for

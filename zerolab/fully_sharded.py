@@ -426,10 +426,14 @@ class FullyShardedModule(nn.Module):
         n = self.world_size
         dtype = self.reduce_dtype or u.dtype
         # Its gathered weights are not needed again this step: free them BEFORE the buffer, so that the
-        # weights, the gradients and the buffer (Ψ_u each) are never alive together. FSDP2 does the same:
-        # post_backward reshards, then foreach_reduce copies into its buffer (torch 2.13,
+        # weights, the gradients and the buffer (Ψ_u each) are never alive together, and finish the
+        # reduce-scatter in flight first too. FSDP2's order: post_backward reshards, reclaims the earlier
+        # reduce-scatter buffers, then foreach_reduce copies into a new one (torch 2.13,
         # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py, FSDPParamGroup.post_backward).
         self._free(u)
+        if self._inflight:
+            self._finish_oldest()                # one unit's buffer alive at a time, as FSDP2's default
+                                                 # (reduce_scatter_max_input_buffers = 1)
         # copy-in, rank-major: row r of `buf` holds the rows of every parameter that rank r owns
         buf = torch.empty(n, u.shard_numel, dtype=dtype, device=u.full.device)   # Ψ_u (+ padding)
         for s in u.params:
@@ -441,8 +445,6 @@ class FullyShardedModule(nn.Module):
                     mine[:k * s.row_numel].copy_(g[r * s.c * s.row_numel:(r * s.c + k) * s.row_numel])
                 mine[k * s.row_numel:].zero_()
             s.full.grad = None                   # no full-size gradient survives the unit
-        if self._inflight:
-            self._finish_oldest()                # at most two units' buffers alive
         own = buf[self.rank]                     # in place: rank r receives the sum of its row
         work = engine.reduce_scatter(own, buf.view(-1), group=self.group, impl=self.reduce_impl,
                                      async_op=True, tag=u.name)
