@@ -277,6 +277,13 @@ def predict(num_params, spec, world_size, hw, *, tokens, schedule=None, links=No
                           param_bytes=word_bytes, collectives=schedule, links=links)
 
 
+def _phase_ends(per_rank, spec):
+    """Per round: for forward, backward and step, each rank's end of that phase (its clock started at the
+    barrier before the step), from the per-rank (f, b, s) durations: [[rank ends] x 3] per round."""
+    for ranks in zip(*(r["phases"][spec] for r in per_rank)):    # per round: one (f, b, s) per rank
+        yield [[sum(rank[:i + 1]) for rank in ranks] for i in range(3)]
+
+
 def slowest_phases(per_rank, spec):
     """(forward, backward, step) seconds on the group's timeline, as the cost model lays a step out:
     per round, a phase is over when its LAST rank is done with it (each rank's clock started at the
@@ -285,9 +292,9 @@ def slowest_phases(per_rank, spec):
     rank's time in each phase, taken phase by phase, does not: a rank that finished its forward early
     waits in its backward's collective for the late one, and the late rank's delay counts twice.)"""
     per_round = []
-    for ranks in zip(*(r["phases"][spec] for r in per_rank)):    # per round: one (f, b, s) per rank
-        ends = [max(sum(rank[:i + 1]) for rank in ranks) for i in range(3)]
-        per_round.append((ends[0], ends[1] - ends[0], ends[2] - ends[1]))
+    for ends in _phase_ends(per_rank, spec):
+        last = [max(e) for e in ends]
+        per_round.append((last[0], last[1] - last[0], last[2] - last[1]))
     return [statistics.median(r[i] for r in per_round) for i in range(3)]
 
 
@@ -296,10 +303,7 @@ def end_spread(per_rank, spec):
     first's, each rank's clock started at the barrier before the step), the median over rounds. A rank
     that ends its backward this much before the last one has started its step before the step phase on
     the group's timeline (:func:`slowest_phases`) begins."""
-    per_round = []
-    for ranks in zip(*(r["phases"][spec] for r in per_rank)):
-        ends = [[sum(rank[:i + 1]) for rank in ranks] for i in range(3)]
-        per_round.append([max(e) - min(e) for e in ends])
+    per_round = [[max(e) - min(e) for e in ends] for ends in _phase_ends(per_rank, spec)]
     return [statistics.median(r[i] for r in per_round) for i in range(3)]
 
 
